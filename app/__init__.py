@@ -1,0 +1,1 @@
+"""The Streamlit dashboard (installed as ``tpudiag.app``)."""

@@ -1,0 +1,1 @@
+"""Built-in collectors (installed as ``tpudiag.collectors``): trace, numerics, compile."""

@@ -1,0 +1,151 @@
+"""Module paths (``transformer.h.0.mlp``) for whatever code runs inside an ``nn.Module`` forward.
+
+Global forward hooks keep a per-thread stack of the modules being executed.  Names come from the first root
+module's ``named_modules()`` (so paths read like the model's own attribute paths); the root itself is labelled
+with its class name.  Hooks do nothing while Dynamo traces, so compiled code is not changed by them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.modules import module as nn_module
+
+
+def _shape_of(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return list(value.shape)
+    if isinstance(value, (list, tuple)) and value and len(value) <= 8:
+        inner = [_shape_of(v) for v in value]
+        return inner if any(v is not None for v in inner) else None
+    if isinstance(value, dict) and value and len(value) <= 8:
+        inner_d = {str(k): _shape_of(v) for k, v in value.items()}
+        inner_d = {k: v for k, v in inner_d.items() if v is not None}
+        return inner_d or None
+    return None
+
+
+def input_shapes(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> str | None:
+    """JSON of the tensor shapes among a call's arguments (nested one level), or None if none."""
+    shapes = [s for s in (_shape_of(a) for a in args) if s is not None]
+    if kwargs:
+        kw = {k: s for k, s in ((k, _shape_of(v)) for k, v in kwargs.items()) if s is not None}
+        if kw:
+            shapes.append(kw)
+    return json.dumps(shapes, separators=(",", ":")) if shapes else None
+
+
+def _source_of(cls: type[Any]) -> str | None:
+    forward = getattr(cls, "forward", None)
+    if forward is None:
+        return None
+    try:
+        path = inspect.getsourcefile(forward)
+        _, line = inspect.getsourcelines(forward)
+    except (OSError, TypeError):
+        return None
+    if path is None:
+        return None
+    try:
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    except ValueError:
+        pass
+    return f"{path}:{line}"
+
+
+class ModuleTracker:
+    """Tracks the module path of the running forward, per thread.
+
+    ``on_enter(path, module, args, kwargs, is_root)`` and ``on_exit(path)`` let a collector act at module
+    boundaries (the trace collector opens a profiler range there).
+    """
+
+    def __init__(
+        self,
+        on_enter: Callable[[str, Any, tuple[Any, ...], dict[str, Any], bool], Any] | None = None,
+        on_exit: Callable[[str, Any], None] | None = None,
+    ) -> None:
+        self._paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self._local = threading.local()
+        self._on_enter = on_enter
+        self._on_exit = on_exit
+        self._handles: list[Any] = []
+        self.sources: dict[str, str] = {}
+        self._class_sources: dict[type[Any], str | None] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def install(self) -> None:
+        self._handles.append(nn_module.register_module_forward_pre_hook(self._pre))
+        self._handles.append(nn_module.register_module_forward_hook(self._post, always_call=True))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- queries --------------------------------------------------------------------------------------------
+    def _stack(self) -> list[tuple[torch.nn.Module, str, Any]]:
+        stack: list[tuple[torch.nn.Module, str, Any]] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = []
+            self._local.stack = stack
+        return stack
+
+    def current(self) -> str | None:
+        stack = self._stack()
+        return stack[-1][1] if stack else None
+
+    def path_of(self, module: torch.nn.Module) -> str:
+        path = self._paths.get(module)
+        if path is not None:
+            return path
+        stack = self._stack()
+        if not stack:
+            root_label = type(module).__name__
+            for name, sub in module.named_modules():
+                self._paths.setdefault(sub, name if name else root_label)
+            return self._paths[module]
+        parent_module, parent_path = stack[-1][0], stack[-1][1]
+        for name, child in parent_module.named_children():
+            self._paths.setdefault(child, f"{parent_path}.{name}" if parent_path else name)
+        path = self._paths.get(module)
+        if path is None:
+            path = f"{parent_path}.{type(module).__name__}"
+            self._paths[module] = path
+        return path
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if torch.compiler.is_compiling():
+            return
+        stack = self._stack()
+        is_root = not stack
+        path = self.path_of(module)
+        cls = type(module)
+        if cls not in self._class_sources:
+            self._class_sources[cls] = _source_of(cls)
+        src = self._class_sources[cls]
+        if src is not None and path not in self.sources:
+            self.sources[path] = src
+        token = self._on_enter(path, module, args, {}, is_root) if self._on_enter else None
+        stack.append((module, path, token))
+
+    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        stack = self._stack()
+        # Pop to this module: an exception inside a child skips the child's post hook only if always_call fails.
+        while stack:
+            mod, path, token = stack.pop()
+            if self._on_exit is not None:
+                self._on_exit(path, token)
+            if mod is module:
+                break

@@ -1,0 +1,3 @@
+from tpudiag.cli import console_main
+
+console_main()

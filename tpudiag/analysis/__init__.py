@@ -1,0 +1,1 @@
+"""Analysis: pure functions over records and columns."""

@@ -1,0 +1,158 @@
+"""Step detection and the per-step summary (time to first result, steady state, outside steps).
+
+Steps come from, in order of preference:
+1. ``ProfilerStep#N`` annotations (the script drives its own profiler schedule);
+2. optimizer steps (``Optimizer.step#...``): a step runs from the first root-module forward after the previous
+   optimizer step to the end of its own optimizer step (gradient accumulation stays inside one step);
+3. root-module forwards (inference loops): one step per top-level forward;
+4. otherwise the whole trace is one step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tpudiag.analysis.tree import MODULE_PREFIX
+
+PROFILER_STEP_PREFIX = "ProfilerStep#"
+OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
+
+
+@dataclass(frozen=True)
+class StepSpan:
+    step: int
+    start_ns: int
+    dur_ns: int
+    kind: str
+    input_shapes: str | None = None
+
+
+def root_forwards(
+    names: Sequence[str], parent: Sequence[int], start_ns: Sequence[int]
+) -> list[int]:
+    """Indices of module annotations with no module annotation above them, in time order."""
+    roots = []
+    for i, name in enumerate(names):
+        if not name.startswith(MODULE_PREFIX):
+            continue
+        p = parent[i]
+        while p >= 0 and not names[p].startswith(MODULE_PREFIX):
+            p = parent[p]
+        if p < 0:
+            roots.append(i)
+    roots.sort(key=lambda i: start_ns[i])
+    return roots
+
+
+def detect_steps(
+    names: Sequence[str],
+    start_ns: Sequence[int],
+    dur_ns: Sequence[int],
+    parent: Sequence[int],
+    root_inputs: Sequence[str | None] = (),
+) -> list[StepSpan]:
+    n = len(names)
+    if n == 0:
+        return []
+    roots = root_forwards(names, parent, start_ns)
+    root_shapes = {idx: root_inputs[k] for k, idx in enumerate(roots) if k < len(root_inputs)}
+
+    def shapes_in(lo: int, hi: int) -> str | None:
+        seen: list[str] = []
+        for idx in roots:
+            if lo <= start_ns[idx] < hi and root_shapes.get(idx) and root_shapes[idx] not in seen:
+                seen.append(root_shapes[idx])  # type: ignore[arg-type]
+        if not seen:
+            return None
+        return seen[0] if len(seen) == 1 else "[" + ",".join(seen) + "]"
+
+    prof = sorted(
+        (i for i in range(n) if names[i].startswith(PROFILER_STEP_PREFIX)), key=lambda i: start_ns[i]
+    )
+    if prof:
+        spans = []
+        for i in prof:
+            try:
+                num = int(names[i][len(PROFILER_STEP_PREFIX):])
+            except ValueError:
+                num = len(spans)
+            spans.append(
+                StepSpan(num, start_ns[i], dur_ns[i], "profiler_step",
+                         shapes_in(start_ns[i], start_ns[i] + dur_ns[i]))
+            )
+        return spans
+
+    opt = sorted((i for i in range(n) if names[i].startswith(OPTIMIZER_STEP_PREFIX)), key=lambda i: start_ns[i])
+    if opt:
+        root_starts = [start_ns[i] for i in roots]
+        spans = []
+        prev_end = min(start_ns)
+        for k, i in enumerate(opt):
+            end = start_ns[i] + dur_ns[i]
+            j = bisect.bisect_left(root_starts, prev_end)
+            begin = root_starts[j] if j < len(root_starts) and root_starts[j] < end else start_ns[i]
+            spans.append(StepSpan(k, begin, end - begin, "optimizer", shapes_in(begin, end)))
+            prev_end = end
+        return spans
+
+    if roots:
+        return [
+            StepSpan(k, start_ns[i], dur_ns[i], "forward", root_shapes.get(i)) for k, i in enumerate(roots)
+        ]
+
+    lo = min(start_ns)
+    hi = max(s + d for s, d in zip(start_ns, dur_ns, strict=True))
+    return [StepSpan(0, lo, hi - lo, "whole", None)]
+
+
+def assign_steps(start_ns: Sequence[int], steps: Sequence[StepSpan]) -> list[int | None]:
+    """Step number of each event (the step whose interval holds its start), or None outside steps."""
+    ordered = sorted(steps, key=lambda s: s.start_ns)
+    starts = [s.start_ns for s in ordered]
+    out: list[int | None] = []
+    for t in start_ns:
+        k = bisect.bisect_right(starts, t) - 1
+        if k >= 0 and t < ordered[k].start_ns + max(ordered[k].dur_ns, 1):
+            out.append(ordered[k].step)
+        else:
+            out.append(None)
+    return out
+
+
+def summarize_steps(steps: Sequence[StepSpan], span_ns: tuple[int, int] | None) -> dict[str, object]:
+    """The report's ``steps`` object."""
+    if not steps:
+        return {"count": 0, "first_s": None, "steady_median_s": None, "outside_steps_s": None, "kind": None}
+    ordered = sorted(steps, key=lambda s: s.start_ns)
+    durs = [s.dur_ns / 1e9 for s in ordered]
+    steady = statistics.median(durs[1:]) if len(durs) > 1 else None
+    outside = None
+    if span_ns is not None:
+        covered = _union_length([(s.start_ns, s.start_ns + s.dur_ns) for s in ordered])
+        outside = max(0.0, (span_ns[1] - span_ns[0] - covered) / 1e9)
+    return {
+        "count": len(ordered),
+        "first_s": round(durs[0], 6),
+        "steady_median_s": round(steady, 6) if steady is not None else None,
+        "outside_steps_s": round(outside, 6) if outside is not None else None,
+        "kind": ordered[0].kind,
+    }
+
+
+def _union_length(intervals: list[tuple[int, int]]) -> int:
+    total = 0
+    cur_lo: int | None = None
+    cur_hi = 0
+    for lo, hi in sorted(intervals):
+        if cur_lo is None or lo > cur_hi:
+            if cur_lo is not None:
+                total += cur_hi - cur_lo
+            cur_lo, cur_hi = lo, hi
+        else:
+            cur_hi = max(cur_hi, hi)
+    if cur_lo is not None:
+        total += cur_hi - cur_lo
+    return total

@@ -1,0 +1,184 @@
+"""The capture session: start collectors, run the target as Python would, stop, store the run.
+
+The store is opened only in short write sessions: once to register the run (status ``running``), periodically to
+load spooled parts, and once at the end.  A capture killed with SIGKILL leaves its run ``running`` with its spool on
+disk; the next tpudiag command on that host loads the spool and marks the run ``interrupted``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tpudiag
+from tpudiag import environment, runner
+from tpudiag.clock import Clock, SystemClock
+from tpudiag.errors import StoreError, TpudiagError
+from tpudiag.model import Run
+from tpudiag.plugins import CaptureContext, Collector, load_collectors
+from tpudiag.spool import Spool
+from tpudiag.store import Store
+
+
+@dataclass
+class CaptureOptions:
+    db: Path
+    name: str | None = None
+    collect: list[str] | None = None  # None: every available collector
+    flush_interval_s: float = 10.0
+    collector_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CaptureResult:
+    run_id: str
+    exit_code: int
+    status: str
+    collectors: list[Collector]
+    context: CaptureContext
+
+
+def new_run_id(clock: Clock) -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime(clock.wall())) + "-" + secrets.token_hex(3)
+
+
+def _warn(text: str) -> None:
+    sys.stderr.write(f"tpudiag: {text}\n")
+    sys.stderr.flush()
+
+
+class _Flusher(threading.Thread):
+    """Loads spooled parts into the store every few seconds while the script runs."""
+
+    def __init__(self, store: Store, run_id: str, spool: Spool, collectors: list[Collector], interval: float):
+        super().__init__(name="tpudiag-flusher", daemon=True)
+        self._store, self._run_id, self._spool = store, run_id, spool
+        self._collectors, self._interval = collectors, interval
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self._interval):
+            for c in self._collectors:
+                with contextlib.suppress(Exception):
+                    c.flush()
+            with contextlib.suppress(TpudiagError):
+                self._store.ingest_spool(self._run_id, self._spool.directory)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=30)
+
+
+def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None = None) -> CaptureResult:
+    clock = clock or SystemClock()
+    runner.check_target(target)
+    store = Store(options.db)
+    collectors = load_collectors(options.collect)
+    with contextlib.suppress(TpudiagError):
+        store.recover_stale_runs()
+
+    run_id = new_run_id(clock)
+    run_dir = store.run_dir(run_id).resolve()
+    spool = Spool(run_dir / "spool")
+    started = clock.wall()
+    script_path = Path(target.name) if target.kind == "script" else Path.cwd()
+    run = Run(
+        id=run_id,
+        name=options.name or (Path(target.name).stem if target.kind == "script" else target.name),
+        status="running",
+        started_at=started,
+        script=target.display,
+        argv=list(target.args),
+        cwd=os.getcwd(),
+        host=environment.host(),
+        pid=os.getpid(),
+        python_version=environment.python_version(),
+        tpudiag_version=tpudiag.__version__,
+        env=environment.env_knobs(),
+        git_commit=environment.git_commit(script_path.resolve()),
+        collectors=[c.name for c in collectors],
+        artifacts_dir=str(run_dir),
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store.put_run(run)
+
+    ctx = CaptureContext(
+        run_id=run_id, run_dir=run_dir, spool=spool, options=dict(options.collector_options), clock=clock
+    )
+    active: list[Collector] = []
+    for c in collectors:
+        try:
+            c.prepare(ctx)
+        except Exception as err:  # a broken collector must not break the user's script
+            ctx.note(f"collector {c.name} failed to prepare: {err}")
+    for c in collectors:
+        try:
+            c.start(ctx)
+            active.append(c)
+        except Exception as err:
+            ctx.note(f"collector {c.name} failed to start: {err}")
+            _warn(f"collector {c.name} failed to start: {err}")
+
+    flusher = _Flusher(store, run_id, spool, active, options.flush_interval_s)
+    flusher.start()
+    t0 = clock.monotonic()
+    outcome = runner.run(target)
+    duration = clock.monotonic() - t0
+    flusher.stop()
+
+    for c in reversed(active):
+        try:
+            c.stop()
+        except Exception as err:
+            ctx.note(f"collector {c.name} failed while stopping: {err}")
+            _warn(f"collector {c.name} failed while stopping: {err}")
+
+    kind, device_name = environment.device()
+    final = dataclasses.replace(
+        run,
+        status=outcome.status,
+        exit_code=outcome.exit_code,
+        duration_s=round(duration, 6),
+        torch_version=environment.torch_version(),
+        device_kind=kind,
+        device_name=device_name,
+        precision={**environment.precision(), **ctx.metadata.get("precision", {})},
+        notes=list(ctx.notes) + ([f"script ended with {outcome.error}"] if outcome.error else []),
+    )
+    with store.writer() as w:
+        store.ingest_spool(run_id, spool.directory, con=w)
+        store.put_run(final, con=w)
+    with contextlib.suppress(OSError):
+        _remove_empty_tree(spool.directory)
+    return CaptureResult(run_id, outcome.exit_code, outcome.status, active, ctx)
+
+
+def _remove_empty_tree(folder: Path) -> None:
+    if not folder.is_dir():
+        return
+    for sub in folder.iterdir():
+        if sub.is_dir():
+            _remove_empty_tree(sub)
+    folder.rmdir()
+
+
+def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
+    """The capture command's body: capture, print the one closing line, return the script's exit code."""
+    try:
+        result = capture(target, options)
+    except StoreError as err:
+        # The script may already have run; its data stays in the spool for the next command to recover.
+        _warn(str(err))
+        return err.exit_code
+    for note in result.context.notes:
+        _warn(f"note: {note}")
+    _warn(f"run {result.run_id} ({result.status}, exit {result.exit_code}) stored in {options.db}")
+    return result.exit_code

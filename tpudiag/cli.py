@@ -1,0 +1,210 @@
+"""The ``tpudiag`` command line: one small function per subcommand, domain errors as one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tpudiag
+from tpudiag.errors import TpudiagError, UsageError
+from tpudiag.store import resolve_db_path
+
+CAPTURE_VALUE_OPTIONS = {"--db", "--name", "--collect", "--numerics", "--budget", "--ops", "--modules"}
+CAPTURE_FLAG_OPTIONS = {"--with-stack", "-h", "--help"}
+
+
+def _add_db(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", help="store path (default: $TPUDIAG_DB or ./tpudiag.duckdb)")
+
+
+def _split_capture_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``capture`` arguments into tpudiag's options and the target (script or -m module) with its args.
+
+    Everything from the script name on belongs to the script, as with ``python [opts] script.py args``.
+    """
+    own: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m":
+            return own, list(argv[i:])
+        if arg == "--":
+            return own, list(argv[i + 1:])
+        name = arg.split("=", 1)[0]
+        if name in CAPTURE_VALUE_OPTIONS:
+            own.append(arg)
+            if "=" not in arg and i + 1 < len(argv):
+                own.append(argv[i + 1])
+                i += 1
+        elif name in CAPTURE_FLAG_OPTIONS or (arg.startswith("-") and arg != "-"):
+            own.append(arg)
+        else:
+            return own, list(argv[i:])
+        i += 1
+    return own, []
+
+
+def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
+    from tpudiag.capture import CaptureOptions, run_capture_cli
+    from tpudiag.runner import Target
+
+    if not rest:
+        raise UsageError("capture needs a script or -m module (tpudiag capture [options] script.py [args...])")
+    if rest[0] == "-m":
+        if len(rest) < 2:
+            raise UsageError("-m needs a module name")
+        target = Target("module", rest[1], tuple(rest[2:]))
+    else:
+        target = Target("script", rest[0], tuple(rest[1:]))
+    collect = None
+    if args.collect:
+        collect = [c.strip() for c in args.collect.split(",") if c.strip()]
+        if not collect:
+            raise UsageError("--collect needs at least one collector name")
+    collector_options: dict[str, Any] = {"with_stack": args.with_stack}
+    for key in ("numerics", "budget", "ops", "modules"):
+        value = getattr(args, key, None)
+        if value is not None:
+            collector_options[key] = value
+    options = CaptureOptions(
+        db=resolve_db_path(args.db), name=args.name, collect=collect, collector_options=collector_options
+    )
+    return run_capture_cli(target, options)
+
+
+def cmd_runs(args: argparse.Namespace, rest: list[str]) -> int:
+    from tpudiag.report import run_summary
+    from tpudiag.report import table as text_table
+    from tpudiag.store import Store
+    from tpudiag.store import queries
+
+    store = Store(resolve_db_path(args.db))
+    store.recover_stale_runs()
+    runs = queries.list_runs(store)
+    if args.json:
+        print(json.dumps([run_summary(r) for r in runs], indent=2, default=str))
+        return 0
+    if not runs:
+        print(f"no runs in {store.path} yet: tpudiag capture script.py")
+        return 0
+    rows = [
+        [
+            r["id"], r["name"], r["status"], str(r["exit_code"]), r["device_kind"] or "-",
+            f"{r['duration_s']:.2f}" if r["duration_s"] is not None else "-", r["script"] or "-",
+        ]
+        for r in runs
+    ]
+    print("\n".join(text_table(["id", "name", "status", "exit", "device", "dur (s)", "script"], rows, {3, 5})))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
+    from tpudiag import report
+    from tpudiag.store import Store
+    from tpudiag.store import queries
+
+    store = Store(resolve_db_path(args.db))
+    store.recover_stale_runs()
+    run = queries.resolve_run(store, args.run)
+    data = report.build(store, run, top=args.top)
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        sys.stdout.write(report.render_text(data))
+    return 0
+
+
+Command = Callable[[argparse.Namespace, list[str]], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tpudiag",
+        description="Which ops are slow, which ops give different numbers than a CPU reference, and what "
+        "recompiles. Runs land in a DuckDB store.",
+    )
+    parser.add_argument("--version", action="version", version=f"tpudiag {tpudiag.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "capture",
+        help="run a script (or -m module) as python would, with collectors hooked in",
+        usage="tpudiag capture [options] (script.py | -m module) [args...]",
+    )
+    _add_db(p)
+    p.add_argument("--name", help="name of the run (default: the script's name)")
+    p.add_argument("--collect", help="comma-separated collectors (default: every available one)")
+    p.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
+    p.set_defaults(func=cmd_capture)
+
+    p = sub.add_parser("runs", help="list the runs in the store, newest first")
+    _add_db(p)
+    p.add_argument("--json", action="store_true", help="print a JSON list of run objects")
+    p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("report", help="summary of a run: slow ops, steps, numerics, compilation")
+    _add_db(p)
+    p.add_argument("run", nargs="?", help="run id, unique name, or omitted for the latest run")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--top", type=int, default=20, help="how many slow ops to list (default 20)")
+    p.set_defaults(func=cmd_report)
+
+    for register in EXTRA_COMMANDS:
+        _load_register(register)(sub)
+    return parser
+
+
+# "module:function" of functions that add subcommands (import, export, dashboard, repro...).
+EXTRA_COMMANDS: list[str] = []
+
+
+def _load_register(spec: str) -> Callable[[Any], None]:
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    fn: Callable[[Any], None] = getattr(importlib.import_module(module_name), attr)
+    return fn
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    rest: list[str] = []
+    if argv and argv[0] == "capture":
+        own, rest = _split_capture_argv(argv[1:])
+        argv = ["capture", *own]
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed its one-line usage error
+        return int(exc.code or 0)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        func: Command = args.func
+        return func(args, rest)
+    except TpudiagError as err:
+        sys.stderr.write(f"tpudiag: error: {err}\n")
+        return err.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("tpudiag: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def console_main() -> None:
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    console_main()
+
+
+__all__ = ["build_parser", "console_main", "main"]

@@ -1,0 +1,221 @@
+"""The data model every part of tpudiag speaks.
+
+Collectors produce these records, the store persists them, the report, the dashboard and the exporters read them.
+Each record type is a frozen dataclass; its Arrow schema (used for spooling and bulk writes) is derived from the
+dataclass fields, so the dataclass is the single source of truth for a table's columns.  Bulk producers (trace
+parsers) build Arrow columns directly against ``arrow_schema(Cls)`` instead of instantiating millions of objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+import pyarrow as pa
+
+RUN_STATUSES = ("running", "ok", "failed", "interrupted")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One capture or one import: the unit everything else hangs off."""
+
+    TABLE: ClassVar[str] = "runs"
+
+    id: str
+    name: str
+    status: str
+    started_at: float  # epoch seconds
+    exit_code: int | None = None
+    source: str = "capture"  # "capture" | "import"
+    script: str | None = None
+    argv: list[str] = field(default_factory=list)
+    cwd: str | None = None
+    duration_s: float | None = None
+    host: str | None = None
+    pid: int | None = None
+    python_version: str | None = None
+    torch_version: str | None = None
+    tpudiag_version: str | None = None
+    device_kind: str | None = None  # "cpu" | "cuda" | "tpu"
+    device_name: str | None = None
+    precision: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    git_commit: str | None = None
+    collectors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    artifacts_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One complete (begin+duration) profiler event, host or device."""
+
+    TABLE: ClassVar[str] = "trace_events"
+
+    run_id: str
+    event_id: int  # unique within the run
+    source: str  # "kineto" | "xplane"
+    process: str  # Kineto pid / XPlane plane name
+    thread: str  # Kineto tid / XPlane line name
+    name: str
+    category: str
+    start_ns: int  # epoch nanoseconds
+    dur_ns: int
+    self_ns: int  # duration minus nested children on the same thread
+    depth: int = 0
+    parent_id: int | None = None
+    rank: int = 0
+    step: int | None = None
+    module: str | None = None
+    phase: str | None = None  # "forward" | "backward" | None
+    source_loc: str | None = None
+    shapes: str | None = None  # JSON list of input dims
+    dtypes: str | None = None  # JSON list of input types
+    seq_nr: int | None = None  # autograd sequence number
+    external_id: int | None = None
+    correlation: int | None = None  # host launch <-> device kernel link
+    on_device: bool = False
+    flops: float | None = None
+    bytes_accessed: float | None = None
+    args: str | None = None  # remaining args as JSON
+
+
+@dataclass(frozen=True)
+class Step:
+    """A training/inference step found in the trace."""
+
+    TABLE: ClassVar[str] = "steps"
+
+    run_id: str
+    step: int
+    start_ns: int
+    dur_ns: int
+    kind: str  # "profiler_step" | "optimizer" | "forward" | "whole"
+    input_shapes: str | None = None  # JSON: shapes of the root module's inputs in this step
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One executed aten op seen by the numerics collector."""
+
+    TABLE: ClassVar[str] = "ops"
+
+    run_id: str
+    seq: int
+    op: str
+    step: int | None = None
+    overload: str | None = None
+    module: str | None = None
+    phase: str | None = None
+    source_loc: str | None = None
+    dtypes: str | None = None
+    shapes: str | None = None
+    device: str | None = None
+    checked: bool = False
+    skip_reason: str | None = None
+    flops: float | None = None
+    duration_ns: int | None = None
+
+
+@dataclass(frozen=True)
+class OpDiff:
+    """Error metrics of one op output against the CPU float64 oracle."""
+
+    TABLE: ClassVar[str] = "op_diffs"
+
+    run_id: str
+    seq: int
+    output_index: int
+    verdict: str  # "pass" | "fail" | "overflow" | "expected_precision" | "skip"
+    role: str | None = None  # "originator" | "propagator" | None
+    dtype: str | None = None
+    numel: int | None = None
+    max_abs: float | None = None
+    max_rel: float | None = None
+    mean_abs: float | None = None
+    rmse: float | None = None
+    cosine: float | None = None
+    max_ulp: float | None = None
+    mean_ulp: float | None = None
+    scaled_error: float | None = None
+    ref_scaled_error: float | None = None  # CPU at the device dtype vs the oracle
+    propagated_error: float | None = None
+    threshold: float | None = None
+    nan_device: int | None = None
+    inf_device: int | None = None
+    nan_oracle: int | None = None
+    inf_oracle: int | None = None
+    mismatch_rate: float | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class CompileEvent:
+    """A compilation, cache lookup, recompile or graph break."""
+
+    TABLE: ClassVar[str] = "compile_events"
+
+    run_id: str
+    seq: int
+    kind: str  # "compile" | "recompile" | "graph_break" | "cache" | "failure" | "tpu_eager" | ...
+    ts_ns: int | None = None
+    rank: int = 0
+    frame_id: int | None = None
+    compile_id: str | None = None
+    attempt: int | None = None
+    function: str | None = None
+    file: str | None = None
+    line: int | None = None
+    cache_tier: str | None = None
+    cache_hit: bool | None = None
+    reason: str | None = None
+    duration_s: float | None = None
+    shapes: str | None = None
+    payload: str | None = None  # JSON
+
+
+RECORD_TYPES: tuple[type[Any], ...] = (Run, TraceEvent, Step, OpRecord, OpDiff, CompileEvent)
+BULK_TABLES: dict[str, type[Any]] = {c.TABLE: c for c in RECORD_TYPES if c is not Run}
+
+
+def _arrow_type(tp: Any) -> tuple[pa.DataType, bool]:
+    """Map a dataclass annotation to (arrow type, nullable)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _arrow_type(inner[0])[0], True
+    if tp is int:
+        return pa.int64(), False
+    if tp is float:
+        return pa.float64(), False
+    if tp is bool:
+        return pa.bool_(), False
+    if tp is str:
+        return pa.string(), False
+    # lists and dicts are stored as JSON text: flexible and readable from any SQL engine.
+    return pa.string(), True
+
+
+def arrow_schema(cls: type[Any]) -> pa.Schema:
+    hints = typing.get_type_hints(cls)
+    fields = []
+    return pa.schema([pa.field(f.name, _arrow_type(hints[f.name])[0]) for f in dataclasses.fields(cls)])
+
+
+def column_names(cls: type[Any]) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def records_to_arrow(cls: type[Any], records: typing.Iterable[Any]) -> pa.Table:
+    """Small-volume path: dataclass instances to an Arrow table."""
+    names = column_names(cls)
+    cols: dict[str, list[Any]] = {n: [] for n in names}
+    for r in records:
+        for n in names:
+            cols[n].append(getattr(r, n))
+    return pa.table(cols, schema=arrow_schema(cls))

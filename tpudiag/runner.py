@@ -1,0 +1,138 @@
+"""Run a script or module exactly as ``python script.py args`` / ``python -m module args`` would.
+
+``sys.argv``, ``sys.path[0]`` and ``__name__ == "__main__"`` are set as Python sets them; stdin/stdout/stderr are
+left alone.  The outcome is returned, never raised: exit code, status, and the exception (already printed the way
+Python prints it, with tpudiag's own frames removed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import runpy
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType, TracebackType
+
+from tpudiag.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Target:
+    kind: str  # "script" | "module"
+    name: str  # the path as given, or the module name
+    args: tuple[str, ...]
+
+    @property
+    def display(self) -> str:
+        return f"-m {self.name}" if self.kind == "module" else self.name
+
+
+@dataclass(frozen=True)
+class Outcome:
+    exit_code: int
+    status: str  # "ok" | "failed" | "interrupted"
+    error: str | None = None
+
+
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM so the capture can finish storing the run."""
+
+
+def check_target(target: Target) -> None:
+    """Fail early, with one line, on a script or module that cannot be run."""
+    if target.kind == "script":
+        path = Path(target.name)
+        if not path.exists():
+            raise UsageError(f"can't open file {target.name!r}: no such file")
+        if path.is_dir() and not (path / "__main__.py").exists():
+            raise UsageError(f"can't find '__main__' module in {target.name!r}")
+        return
+    try:
+        spec = importlib.util.find_spec(target.name)
+    except (ImportError, ValueError) as err:
+        raise UsageError(f"no module named {target.name!r} ({err})") from None
+    if spec is None:
+        raise UsageError(f"no module named {target.name!r}")
+
+
+def _strip_runner_frames(tb: TracebackType | None) -> TracebackType | None:
+    """Drop the frames of tpudiag and runpy at the top so the traceback starts in the user's code."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    runpy_file = os.path.abspath(runpy.__file__)
+    while tb is not None:
+        fname = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if fname.startswith(here + os.sep) or fname == runpy_file or fname.startswith("<frozen runpy"):
+            tb = tb.tb_next
+            continue
+        break
+    return tb
+
+
+def _print_exception(exc: BaseException) -> str:
+    tb = _strip_runner_frames(exc.__traceback__)
+    lines = traceback.format_exception(type(exc), exc, tb)
+    text = "".join(lines)
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    return traceback.format_exception_only(type(exc), exc)[-1].strip()
+
+
+def _exit_code_of(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, bool):
+        return int(code)
+    if isinstance(code, int):
+        return code & 0xFF if code >= 0 else code % 256
+    sys.stderr.write(f"{code}\n")
+    return 1
+
+
+def run(target: Target) -> Outcome:
+    """Run the target in this process and report how it ended."""
+    saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    previous_term = signal.getsignal(signal.SIGTERM)
+    if previous_term in (signal.SIG_DFL, None):
+
+        def on_term(signum: int, frame: FrameType | None) -> None:
+            raise Terminated()
+
+        signal.signal(signal.SIGTERM, on_term)
+    try:
+        if target.kind == "script":
+            script = os.path.abspath(target.name)
+            sys.argv = [target.name, *target.args]
+            script_dir = script if os.path.isdir(script) else os.path.dirname(script)
+            if sys.path:
+                sys.path[0] = script_dir
+            else:
+                sys.path.insert(0, script_dir)
+            runpy.run_path(target.name, run_name="__main__")
+        else:
+            sys.argv = [target.name, *target.args]  # run_module replaces argv[0] with the module's file
+            if sys.path:
+                sys.path[0] = os.getcwd()
+            runpy.run_module(target.name, run_name="__main__", alter_sys=True)
+        return Outcome(0, "ok")
+    except SystemExit as exc:
+        code = _exit_code_of(exc)
+        return Outcome(code, "ok" if code == 0 else "failed", None if code == 0 else f"SystemExit({exc.code!r})")
+    except KeyboardInterrupt as exc:
+        _print_exception(exc)
+        return Outcome(130, "interrupted", "KeyboardInterrupt")
+    except Terminated:
+        return Outcome(143, "interrupted", "SIGTERM")
+    except BaseException as exc:
+        summary = _print_exception(exc)
+        return Outcome(1, "failed", summary)
+    finally:
+        if signal.getsignal(signal.SIGTERM) is not previous_term and previous_term in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a late SIGTERM must not cut the store write short
+        sys.argv = saved_argv
+        if saved_path0 is not None and sys.path:
+            sys.path[0] = saved_path0

@@ -1,0 +1,46 @@
+"""Spooling: collectors write Parquet parts to the run folder while the script runs.
+
+A part is written to a temporary name and renamed into place, so a part is either whole or absent, whatever kills
+the process.  The capture loads finished parts into the store in short transactions (see store.ingest_spool).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tpudiag.model import BULK_TABLES, arrow_schema, records_to_arrow
+
+
+class Spool:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+
+    def write_table(self, table: str, data: pa.Table) -> Path | None:
+        if table not in BULK_TABLES:
+            raise ValueError(f"unknown table {table!r}")
+        if data.num_rows == 0:
+            return None
+        data = data.cast(arrow_schema(BULK_TABLES[table]))
+        with self._lock:
+            n = next(self._counter)
+        folder = self.directory / table
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / f"{os.getpid()}-{n:06d}.parquet"
+        tmp = folder / f".{final.name}.tmp"
+        pq.write_table(data, tmp, compression="zstd")
+        os.replace(tmp, final)
+        return final
+
+    def write_records(self, cls: type[Any], records: list[Any]) -> Path | None:
+        if not records:
+            return None
+        return self.write_table(cls.TABLE, records_to_arrow(cls, records))

@@ -1,0 +1,120 @@
+"""Read queries over runs, trace events and steps.
+
+All SQL against the tables lives in this package; callers get plain Python values back.  Filters are always
+passed as parameters, never spliced into SQL text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import duckdb
+
+from tpudiag.errors import UnknownRunError
+from tpudiag.store.database import Store, decode_run
+
+# Categories that count as "ops" in the slow-ops ranking.
+HOST_OP_CATEGORIES = ("cpu_op",)
+DEVICE_OP_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "xla_op")
+
+
+def _dicts(cur: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    cols = [d[0] for d in cur.description or []]
+    return [dict(zip(cols, row, strict=True)) for row in cur.fetchall()]
+
+
+def list_runs(store: Store, limit: int | None = None) -> list[dict[str, Any]]:
+    """Runs, newest first."""
+    with store.reader() as r:
+        sql = "SELECT * FROM runs ORDER BY started_at DESC, id DESC"
+        params: list[Any] = []
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        return [decode_run(row) for row in _dicts(r.execute(sql, params))]
+
+
+def resolve_run(store: Store, ref: str | None) -> dict[str, Any]:
+    """A run by id, unique name, or (``ref`` None) the latest run."""
+    with store.reader() as r:
+        if ref is None:
+            rows = _dicts(r.execute("SELECT * FROM runs ORDER BY started_at DESC, id DESC LIMIT 1"))
+            if not rows:
+                raise UnknownRunError(f"store {store.path} has no runs yet (tpudiag capture script.py)")
+            return decode_run(rows[0])
+        rows = _dicts(r.execute("SELECT * FROM runs WHERE id = ?", [ref]))
+        if not rows:
+            rows = _dicts(r.execute("SELECT * FROM runs WHERE name = ? ORDER BY started_at DESC", [ref]))
+        if not rows:
+            rows = _dicts(r.execute("SELECT * FROM runs WHERE starts_with(id, ?) ORDER BY started_at DESC", [ref]))
+    if not rows:
+        raise UnknownRunError(f"no run {ref!r} in {store.path} (tpudiag runs lists them)")
+    if len(rows) > 1:
+        ids = ", ".join(row["id"] for row in rows[:5])
+        raise UnknownRunError(f"{ref!r} matches {len(rows)} runs ({ids}); use a run id")
+    return decode_run(rows[0])
+
+
+def has_device_trace(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
+    row = con.execute(
+        "SELECT count(*) FROM trace_events WHERE run_id = ? AND on_device", [run_id]
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def slow_ops(store: Store, run_id: str, limit: int = 20, by_module: bool = True) -> list[dict[str, Any]]:
+    """Ops ranked by self time: device time when the run has a device trace, host time otherwise."""
+    with store.reader() as r:
+        device = has_device_trace(r, run_id)
+        cats = DEVICE_OP_CATEGORIES if device else HOST_OP_CATEGORIES
+        group = "name, module" if by_module else "name"
+        module_col = "module" if by_module else "NULL AS module"
+        rows = _dicts(
+            r.execute(
+                f"""
+                SELECT name, {module_col}, count(*) AS calls,
+                       sum(self_ns) / 1e3 AS self_us, sum(dur_ns) / 1e3 AS total_us
+                FROM trace_events
+                WHERE run_id = ? AND list_contains(?, category)
+                GROUP BY {group}
+                ORDER BY self_us DESC, name
+                LIMIT ?
+                """,
+                [run_id, list(cats), limit],
+            )
+        )
+    source = "device" if device else "host"
+    for row in rows:
+        row["time_source"] = source
+        row["self_us"] = round(float(row["self_us"]), 3)
+        row["total_us"] = round(float(row["total_us"]), 3)
+    return rows
+
+
+def steps(store: Store, run_id: str) -> list[dict[str, Any]]:
+    with store.reader() as r:
+        return _dicts(
+            r.execute(
+                "SELECT step, start_ns, dur_ns, kind, input_shapes, rank FROM steps WHERE run_id = ? "
+                "ORDER BY rank, step",
+                [run_id],
+            )
+        )
+
+
+def trace_counts(store: Store, run_id: str) -> dict[str, int]:
+    with store.reader() as r:
+        rows = r.execute(
+            "SELECT category, count(*) FROM trace_events WHERE run_id = ? GROUP BY category", [run_id]
+        ).fetchall()
+    return {str(cat): int(n) for cat, n in rows}
+
+
+def trace_span_ns(store: Store, run_id: str) -> tuple[int, int] | None:
+    with store.reader() as r:
+        row = r.execute(
+            "SELECT min(start_ns), max(start_ns + dur_ns) FROM trace_events WHERE run_id = ?", [run_id]
+        ).fetchone()
+    if not row or row[0] is None:
+        return None
+    return int(row[0]), int(row[1])

@@ -1,0 +1,45 @@
+"""The store's DDL, its version, and the migrations between versions.
+
+Table columns come from the data model (tpudiag.model), so a column added to a record type is added here too.
+Migrations are keyed by the version they upgrade *from*; a store written by a newer tpudiag is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from tpudiag.model import BULK_TABLES, Run, arrow_schema
+
+SCHEMA_VERSION = 1
+
+_DUCK_TYPES = {
+    pa.int64(): "BIGINT",
+    pa.float64(): "DOUBLE",
+    pa.bool_(): "BOOLEAN",
+    pa.string(): "VARCHAR",
+}
+
+
+def _create_table(name: str, cls: type[Any], primary_key: str | None = None) -> str:
+    cols = [f'"{f.name}" {_DUCK_TYPES[f.type]}' for f in arrow_schema(cls)]
+    if primary_key:
+        cols.append(f"PRIMARY KEY ({primary_key})")
+    return f"CREATE TABLE IF NOT EXISTS {name} (" + ", ".join(cols) + ")"
+
+
+def ddl() -> list[str]:
+    stmts = [
+        "CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
+        _create_table(Run.TABLE, Run, primary_key="id"),
+        # Spool parts already loaded, so a part is never loaded twice (e.g. after a crash between commit and unlink).
+        "CREATE TABLE IF NOT EXISTS ingested_parts (run_id VARCHAR, part VARCHAR, rows BIGINT, PRIMARY KEY (run_id, part))",
+    ]
+    stmts += [_create_table(name, cls) for name, cls in BULK_TABLES.items()]
+    return stmts
+
+
+# version N -> callable(connection) that brings a version-N store to N+1.
+MIGRATIONS: dict[int, Callable[[Any], None]] = {}

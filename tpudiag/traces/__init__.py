@@ -1,0 +1,1 @@
+"""Readers of profiler trace formats (Kineto JSON, XPlane)."""
