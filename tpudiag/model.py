@@ -81,6 +81,9 @@ class TraceEvent:
     on_device: bool = False
     flops: float | None = None
     bytes_accessed: float | None = None
+    framework_op: str | None = None  # device event: launching host op (GPU) / framework op of the HLO (TPU)
+    hlo_category: str | None = None  # XLA op category (e.g. "convolution fusion"), device events only
+    launch_id: int | None = None  # device event: event_id of the host op that launched it
     args: str | None = None  # remaining args as JSON
 
 
