@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # "module:function" of functions that add subcommands (import, export, dashboard, repro...).
-EXTRA_COMMANDS: list[str] = []
+EXTRA_COMMANDS: list[str] = [
+    "tpudiag.commands.export:register",
+]
 
 
 def _load_register(spec: str) -> Callable[[Any], None]:

@@ -1,0 +1,114 @@
+"""Exporters: a stored run written in a format other tools open (TensorBoard/XProf, Perfetto, Parquet).
+
+An exporter is one small object (``name``, ``description``, ``export(store, run, out_dir, options)``)
+that returns the files it wrote.  Built-ins are listed in ``BUILTIN_EXPORTERS`` as "module:Class" and loaded
+lazily; third-party exporters register the same way through the ``tpudiag.exporters`` entry-point group.
+
+Files are written under a temporary name and renamed into place, so an interrupted export leaves whole files
+or none, never a truncated one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from tpudiag.errors import UsageError
+from tpudiag.store import Store
+
+ENTRY_POINT_GROUP = "tpudiag.exporters"
+BUILTIN_EXPORTERS: dict[str, str] = {
+    "tensorboard": "tpudiag.exporters.xplane_export:TensorBoardExporter",
+    "perfetto": "tpudiag.exporters.perfetto_export:PerfettoExporter",
+    "parquet": "tpudiag.exporters.parquet_export:ParquetExporter",
+}
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    gzip: bool = False
+    include_original: bool = True  # tensorboard: also export the run's original .xplane.pb files
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Exporter(Protocol):
+    name: str
+    description: str
+
+    def export(
+        self, store: Store, run: dict[str, Any], out_dir: Path, options: ExportOptions
+    ) -> list[Path]: ...
+
+
+def exporter_specs() -> dict[str, str]:
+    """Exporter name -> "module:Class": built-ins, then entry points (which cannot replace a built-in)."""
+    specs = dict(BUILTIN_EXPORTERS)
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        specs.setdefault(ep.name, ep.value)
+    return specs
+
+
+def load_exporter(name: str) -> Exporter:
+    specs = exporter_specs()
+    spec = specs.get(name)
+    if spec is None:
+        raise UsageError(f"unknown export format {name!r} (choose from {', '.join(sorted(specs))})")
+    module_name, _, attr = spec.partition(":")
+    cls = getattr(importlib.import_module(module_name), attr)
+    exporter: Exporter = cls()
+    return exporter
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Write ``path`` through a temporary sibling renamed into place on success (removed on failure)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, mode) as fh:
+            yield fh
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def safe_name(text: str) -> str:
+    """A file-name-safe version of a run or host name."""
+    out = "".join(c if c.isalnum() or c in "-_." else "_" for c in text).strip(".")
+    return out or "run"
+
+
+class Progress:
+    """A live status line on stderr (rewritten in place on a terminal, at most a few times a second)."""
+
+    def __init__(self, label: str, total: int, stream: IO[str] | None = None) -> None:
+        self.label = label
+        self.total = total
+        self.done = 0
+        self._stream = stream or sys.stderr
+        self._tty = self._stream.isatty()
+        self._last = 0.0
+        self._t0 = time.monotonic()
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self._tty and now - self._last > 0.2:
+            self._last = now
+            self._stream.write(f"\r{self.label}: {self.done:,}/{self.total:,} events")
+            self._stream.flush()
+
+    def finish(self) -> None:
+        elapsed = time.monotonic() - self._t0
+        end = "\r" if self._tty else ""
+        self._stream.write(f"{end}{self.label}: {self.done:,} events in {elapsed:.2f} s\n")
+        self._stream.flush()
