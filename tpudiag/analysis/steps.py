@@ -15,7 +15,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tpudiag.analysis.tree import MODULE_PREFIX
+import numpy as np
+
+from tpudiag.analysis.tree import MODULE_PREFIX, depth_levels
 
 PROFILER_STEP_PREFIX = "ProfilerStep#"
 OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
@@ -30,21 +32,22 @@ class StepSpan:
     input_shapes: str | None = None
 
 
-def root_forwards(
-    names: Sequence[str], parent: Sequence[int], start_ns: Sequence[int]
-) -> list[int]:
+def root_forwards(names: Sequence[str], parent: Sequence[int], start_ns: Sequence[int]) -> list[int]:
     """Indices of module annotations with no module annotation above them, in time order."""
-    roots = []
-    for i, name in enumerate(names):
-        if not name.startswith(MODULE_PREFIX):
-            continue
-        p = parent[i]
-        while p >= 0 and not names[p].startswith(MODULE_PREFIX):
-            p = parent[p]
-        if p < 0:
-            roots.append(i)
-    roots.sort(key=lambda i: start_ns[i])
-    return roots
+    n = len(names)
+    is_module = np.fromiter((name.startswith(MODULE_PREFIX) for name in names), dtype=bool, count=n)
+    if not is_module.any():
+        return []
+    par = np.asarray(parent, dtype=np.int64)
+    # under[i]: some ancestor of i is a module annotation; filled level by level from the roots down.
+    under = np.zeros(n, dtype=bool)
+    for level in depth_levels(par)[1:]:
+        p = par[level]
+        under[level] = is_module[p] | under[p]
+    roots = np.flatnonzero(is_module & ~under)
+    starts = np.asarray(start_ns, dtype=np.int64)[roots]
+    ordered: list[int] = roots[np.argsort(starts, kind="stable")].tolist()
+    return ordered
 
 
 def detect_steps(
@@ -76,16 +79,23 @@ def detect_steps(
         spans = []
         for i in prof:
             try:
-                num = int(names[i][len(PROFILER_STEP_PREFIX):])
+                num = int(names[i][len(PROFILER_STEP_PREFIX) :])
             except ValueError:
                 num = len(spans)
             spans.append(
-                StepSpan(num, start_ns[i], dur_ns[i], "profiler_step",
-                         shapes_in(start_ns[i], start_ns[i] + dur_ns[i]))
+                StepSpan(
+                    num,
+                    start_ns[i],
+                    dur_ns[i],
+                    "profiler_step",
+                    shapes_in(start_ns[i], start_ns[i] + dur_ns[i]),
+                )
             )
         return spans
 
-    opt = sorted((i for i in range(n) if names[i].startswith(OPTIMIZER_STEP_PREFIX)), key=lambda i: start_ns[i])
+    opt = sorted(
+        (i for i in range(n) if names[i].startswith(OPTIMIZER_STEP_PREFIX)), key=lambda i: start_ns[i]
+    )
     if opt:
         root_starts = [start_ns[i] for i in roots]
         spans = []
@@ -111,15 +121,17 @@ def detect_steps(
 def assign_steps(start_ns: Sequence[int], steps: Sequence[StepSpan]) -> list[int | None]:
     """Step number of each event (the step whose interval holds its start), or None outside steps."""
     ordered = sorted(steps, key=lambda s: s.start_ns)
-    starts = [s.start_ns for s in ordered]
-    out: list[int | None] = []
-    for t in start_ns:
-        k = bisect.bisect_right(starts, t) - 1
-        if k >= 0 and t < ordered[k].start_ns + max(ordered[k].dur_ns, 1):
-            out.append(ordered[k].step)
-        else:
-            out.append(None)
-    return out
+    t = np.asarray(start_ns, dtype=np.int64)
+    if not ordered:
+        return [None] * len(t)
+    starts = np.asarray([s.start_ns for s in ordered], dtype=np.int64)
+    ends = starts + np.asarray([max(s.dur_ns, 1) for s in ordered], dtype=np.int64)
+    numbers = np.asarray([s.step for s in ordered], dtype=object)
+    k = np.searchsorted(starts, t, side="right") - 1
+    inside = (k >= 0) & (t < ends[np.maximum(k, 0)])
+    out = np.where(inside, numbers[np.maximum(k, 0)], None)
+    result: list[int | None] = out.tolist()
+    return result
 
 
 def summarize_steps(steps: Sequence[StepSpan], span_ns: tuple[int, int] | None) -> dict[str, object]:

@@ -1,16 +1,26 @@
 """Event-tree analysis: nesting, self time, module and phase attribution.
 
-Pure functions over plain columns.  Self time is computed from the nesting of complete events on each thread
-(torch's own "Self CPU" from ``key_averages`` can go negative with stacks on).
+Pure functions over plain columns (sequences or numpy arrays).  Self time is computed from the nesting of complete
+events on each thread (torch's own "Self CPU" from ``key_averages`` can go negative with stacks on).
+
+The work is vectorised with numpy so a million-event trace is analysed in about a second: on a thread whose events
+nest properly (the normal case) an event's depth is the number of earlier events minus those that ended before it
+started, and its parent is the last earlier event one level up.  A thread with partial overlaps or zero-length
+events, where that shortcut does not hold, goes through the exact stack walk instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 MODULE_PREFIX = "module::"
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
+
+IntArray = np.ndarray[Any, np.dtype[np.int64]]
 
 
 @dataclass(frozen=True)
@@ -20,39 +30,86 @@ class Nesting:
     self_ns: list[int]
 
 
-def nest(
-    threads: Sequence[tuple[str, str]], start_ns: Sequence[int], dur_ns: Sequence[int]
-) -> Nesting:
+def thread_codes(threads: Sequence[Any]) -> IntArray:
+    """Small integer codes for hashable thread keys (e.g. (process, thread) tuples)."""
+    seen: dict[Any, int] = {}
+    return np.fromiter((seen.setdefault(t, len(seen)) for t in threads), dtype=np.int64, count=len(threads))
+
+
+def nest(threads: Sequence[Any], start_ns: Sequence[int], dur_ns: Sequence[int]) -> Nesting:
     """Parent, depth and self time of each event from containment on its (process, thread).
 
     An event that starts inside another but ends after it (partial overlap, e.g. async device work) is not its
     child.  Equal intervals nest in input order.
     """
-    n = len(start_ns)
-    parent = [-1] * n
-    depth = [0] * n
-    child_time = [0] * n
-    order = sorted(range(n), key=lambda i: (threads[i], start_ns[i], -dur_ns[i], i))
+    parent, depth, self_ns = nest_arrays(
+        thread_codes(threads), np.asarray(start_ns, dtype=np.int64), np.asarray(dur_ns, dtype=np.int64)
+    )
+    return Nesting(parent=parent.tolist(), depth=depth.tolist(), self_ns=self_ns.tolist())
+
+
+def nest_arrays(codes: IntArray, start: IntArray, dur: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+    """``nest`` over numpy columns: (parent, depth, self_ns) arrays; ``codes`` identifies each event's thread."""
+    n = len(start)
+    parent = np.full(n, -1, dtype=np.int64)
+    depth = np.zeros(n, dtype=np.int64)
+    if n == 0:
+        return parent, depth, np.zeros(0, dtype=np.int64)
+    idx = np.arange(n, dtype=np.int64)
+    order = np.lexsort((idx, -dur, start, codes))
+    sorted_codes = codes[order]
+    bounds = np.flatnonzero(np.diff(sorted_codes)) + 1
+    for seg in np.split(order, bounds):
+        p, d = _nest_thread(start[seg], dur[seg])
+        parent[seg] = np.where(p >= 0, seg[np.maximum(p, 0)], -1)
+        depth[seg] = d
+    child = np.bincount(parent[parent >= 0], weights=dur[parent >= 0], minlength=n).astype(np.int64)
+    self_ns = np.maximum(dur - child, 0)
+    return parent, depth, self_ns
+
+
+def _nest_thread(s: IntArray, d: IntArray) -> tuple[IntArray, IntArray]:
+    """Parent (index within the segment) and depth of one thread's events, already in nesting order."""
+    m = len(s)
+    e = s + d
+    if m > 1 and d.min() > 0:
+        pos = np.arange(m, dtype=np.int64)
+        depth = pos - np.searchsorted(np.sort(e), s, side="right")
+        if depth.min() >= 0:
+            keys = depth * m + pos
+            ranked = np.sort(keys)
+            k = np.searchsorted(ranked, (depth - 1) * m + pos) - 1
+            parent = np.where(depth > 0, ranked[np.maximum(k, 0)] % m, -1)
+            inner = depth > 0
+            ok = (
+                np.all(depth[parent[inner]] == depth[inner] - 1)
+                and np.all(e[inner] <= e[parent[inner]])
+                and np.all(s[parent[inner]] <= s[inner])
+                and np.all(np.maximum.accumulate(e)[:-1][depth[1:] == 0] <= s[1:][depth[1:] == 0])
+            )
+            if ok:
+                return parent, depth
+    return _nest_thread_loop(s, d)
+
+
+def _nest_thread_loop(s: IntArray, d: IntArray) -> tuple[IntArray, IntArray]:
+    """The exact stack walk (partial overlaps are not children; zero-length events at an end stay inside)."""
+    starts, durs = s.tolist(), d.tolist()
+    m = len(starts)
+    parent = [-1] * m
+    depth = [0] * m
     stack: list[int] = []
-    current: tuple[str, str] | None = None
-    for i in order:
-        if threads[i] != current:
-            stack.clear()
-            current = threads[i]
-        s, e = start_ns[i], start_ns[i] + dur_ns[i]
-        # Pop what ended before this event starts, then what only partially overlaps it (not a container).
-        while stack and start_ns[stack[-1]] + dur_ns[stack[-1]] <= s and dur_ns[i] > 0:
+    for i in range(m):
+        si, ei = starts[i], starts[i] + durs[i]
+        while stack and starts[stack[-1]] + durs[stack[-1]] <= si and durs[i] > 0:
             stack.pop()
-        while stack and start_ns[stack[-1]] + dur_ns[stack[-1]] < e:
+        while stack and starts[stack[-1]] + durs[stack[-1]] < ei:
             stack.pop()
         if stack:
-            p = stack[-1]
-            parent[i] = p
-            depth[i] = depth[p] + 1
-            child_time[p] += dur_ns[i]
+            parent[i] = stack[-1]
+            depth[i] = depth[stack[-1]] + 1
         stack.append(i)
-    self_ns = [max(0, dur_ns[i] - child_time[i]) for i in range(n)]
-    return Nesting(parent=parent, depth=depth, self_ns=self_ns)
+    return np.asarray(parent, dtype=np.int64), np.asarray(depth, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -77,28 +134,74 @@ def attribute_modules(
     autograd node, found through the autograd sequence number they share.
     """
     n = len(names)
-    module: list[str | None] = [None] * n
-    phase: list[str | None] = [None] * n
-    module_sources = module_sources or {}
-    # Parents before children: sorting by start time is enough since a parent starts no later than its child.
-    order = sorted(range(n), key=lambda i: (start_ns[i], i))
-    forward_module_of_seq: dict[tuple[str, int], str] = {}
-    for i in order:
-        name = names[i]
-        p = parent[i]
+    par = np.asarray(parent, dtype=np.int64)
+    module = np.full(n, None, dtype=object)
+    phase = np.full(n, None, dtype=object)
+    own = np.zeros(n, dtype=bool)
+    backward: list[int] = []
+    for i, name in enumerate(names):
         if name.startswith(MODULE_PREFIX):
-            module[i] = name[len(MODULE_PREFIX):]
+            module[i] = name[len(MODULE_PREFIX) :]
             phase[i] = "forward"
+            own[i] = True
         elif name.startswith(BACKWARD_PREFIX):
             phase[i] = "backward"
+            own[i] = True
+            backward.append(i)
+    levels = depth_levels(par)
+    _propagate(levels, par, own, module, phase)
+    if backward:
+        first_forward: dict[tuple[str, int], tuple[int, str]] = {}
+        starts = np.asarray(start_ns, dtype=np.int64)
+        for i in np.flatnonzero((phase == "forward") & (module != None)).tolist():  # noqa: E711
             s = seq_nr[i]
-            module[i] = forward_module_of_seq.get((processes[i], s)) if s is not None else None
-            if module[i] is None and p >= 0:
-                module[i] = module[p]
-        elif p >= 0:
-            module[i] = module[p]
-            phase[i] = phase[p]
-        if phase[i] == "forward" and seq_nr[i] is not None and module[i] is not None:
-            forward_module_of_seq.setdefault((processes[i], seq_nr[i]), module[i])  # type: ignore[arg-type]
-    source = [module_sources.get(m) if m is not None else None for m in module]
-    return Attribution(module=module, phase=phase, source_loc=source)
+            if s is None:
+                continue
+            key = (processes[i], s)
+            known = first_forward.get(key)
+            if known is None or (starts[i], i) < (starts[known[0]], known[0]):
+                first_forward[key] = (i, module[i])
+        for i in backward:
+            s = seq_nr[i]
+            found = first_forward.get((processes[i], s)) if s is not None else None
+            module[i] = found[1] if found is not None else (module[par[i]] if par[i] >= 0 else None)
+        _propagate(levels, par, own, module, phase)
+    sources = module_sources or {}
+    mods: list[str | None] = module.tolist()
+    return Attribution(
+        module=mods,
+        phase=phase.tolist(),
+        source_loc=[sources.get(m) if m is not None else None for m in mods],
+    )
+
+
+def depth_levels(parent: IntArray) -> list[IntArray]:
+    """Event indices grouped by depth in the parent forest (roots first)."""
+    frontier = np.flatnonzero(parent < 0)
+    levels: list[IntArray] = []
+    children_order = np.argsort(parent, kind="stable")
+    sorted_parent = parent[children_order]
+    while len(frontier):
+        levels.append(frontier)
+        lo = np.searchsorted(sorted_parent, frontier, side="left")
+        hi = np.searchsorted(sorted_parent, frontier, side="right")
+        counts = hi - lo
+        if not counts.sum():
+            break
+        take = np.repeat(lo - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+        frontier = children_order[take]
+    return levels
+
+
+def _propagate(
+    levels: list[IntArray],
+    parent: IntArray,
+    own: np.ndarray[Any, Any],
+    module: np.ndarray[Any, Any],
+    phase: np.ndarray[Any, Any],
+) -> None:
+    """Events without their own module/phase take their parent's, level by level from the roots down."""
+    for level in levels[1:]:
+        inherit = level[~own[level]]
+        module[inherit] = module[parent[inherit]]
+        phase[inherit] = phase[parent[inherit]]
