@@ -80,6 +80,20 @@ def _filter_sql(f: OpFilter) -> tuple[str, list[Any]]:
     return sql, params
 
 
+COMPILE_KINDS = ("compile", "recompile", "backward_compile")
+
+
+def _has_column(s: _Session, table: str, column: str) -> bool:
+    """Whether a table has a column (collectors are still growing their tables: tolerate both shapes)."""
+    return bool(
+        s.one(
+            "columns",
+            "SELECT 1 AS yes FROM information_schema.columns WHERE table_name = ? AND column_name = ?",
+            [table, column],
+        )
+    )
+
+
 # -- runs ----------------------------------------------------------------------------------------------------
 def list_run_choices(store: Store) -> list[dict[str, Any]]:
     """Every run's id, name, status and start time, newest first (the run pickers)."""
@@ -171,11 +185,11 @@ def _add_headlines(s: _Session, runs: list[dict[str, Any]], ids: list[str]) -> N
         "headline_compile",
         """
         SELECT run_id, count(*) FILTER (WHERE kind = 'recompile') AS recompiles,
-               count(*) FILTER (WHERE kind IN ('compile', 'recompile')) AS compiles,
-               sum(duration_s) FILTER (WHERE kind IN ('compile', 'recompile')) AS compile_s
+               count(*) FILTER (WHERE list_contains(?, kind)) AS compiles,
+               sum(duration_s) FILTER (WHERE list_contains(?, kind)) AS compile_s
         FROM compile_events WHERE list_contains(?, run_id) GROUP BY run_id
         """,
-        [ids],
+        [list(COMPILE_KINDS), list(COMPILE_KINDS), ids],
     )
     extra: dict[str, dict[str, Any]] = {rid: {} for rid in ids}
     for group in (slowest, divergences, compiles):
@@ -251,6 +265,41 @@ def load_slow_ops(
             [*bparams, *cparams],
         )
         return SlowOpsView(source, totals, top, modules, steps, breakdown, s.timings)
+
+
+@dataclass
+class OpFacets:
+    """What the slow-ops filters can choose from."""
+
+    time_source: str
+    events: int
+    modules: list[str]  # every module path and its ancestors, sorted
+    steps: list[int]
+
+
+def load_op_facets(store: Store, run_id: str) -> OpFacets:
+    with store.reader() as con:
+        s = _Session(con)
+        source, cats = _op_categories(s, run_id)
+        events = s.one(
+            "facet_events",
+            "SELECT count(*) AS n FROM trace_events WHERE run_id = ? AND list_contains(?, category)",
+            [run_id, cats],
+        )["n"]
+        modules = s.rows(
+            "facet_modules",
+            "SELECT DISTINCT module FROM trace_events WHERE run_id = ? AND list_contains(?, category) "
+            "AND module IS NOT NULL LIMIT 5000",
+            [run_id, cats],
+        )
+        steps = s.rows(
+            "facet_steps", "SELECT DISTINCT step FROM steps WHERE run_id = ? ORDER BY step", [run_id]
+        )
+    paths: set[str] = set()
+    for r in modules:
+        parts = str(r["module"]).split(".")
+        paths.update(".".join(parts[: i + 1]) for i in range(len(parts)))
+    return OpFacets(source, int(events), sorted(paths), [int(r["step"]) for r in steps])
 
 
 @dataclass
@@ -529,10 +578,12 @@ def load_compile(store: Store, run_id: str, kinds: list[str] | None = None, limi
     """Events by kind, cache hit rate by tier, the frames that recompile most, the timeline, the reasons."""
     with store.reader() as con:
         s = _Session(con)
+        failed = _has_column(s, "compile_events", "failed")
         by_kind = s.rows(
             "kinds",
-            "SELECT kind, count(*) AS events, coalesce(sum(duration_s), 0) AS duration_s FROM compile_events "
-            "WHERE run_id = ? GROUP BY kind ORDER BY events DESC, kind",
+            "SELECT kind, count(*) AS events, coalesce(sum(duration_s), 0) AS duration_s, "
+            f"count(*) FILTER (WHERE {'failed' if failed else 'false'}) AS failed "
+            "FROM compile_events WHERE run_id = ? GROUP BY kind ORDER BY events DESC, kind",
             [run_id],
         )
         cache = s.rows(
@@ -548,17 +599,17 @@ def load_compile(store: Store, run_id: str, kinds: list[str] | None = None, limi
             "frames",
             """
             SELECT function, file, line,
-                   count(*) FILTER (WHERE kind IN ('compile', 'recompile')) AS compiles,
+                   count(*) FILTER (WHERE list_contains(?, kind)) AS compiles,
                    count(*) FILTER (WHERE kind = 'recompile') AS recompiles,
                    count(*) FILTER (WHERE kind = 'graph_break') AS graph_breaks,
-                   coalesce(sum(duration_s) FILTER (WHERE kind IN ('compile', 'recompile')), 0) AS compile_s,
+                   coalesce(sum(duration_s) FILTER (WHERE list_contains(?, kind)), 0) AS compile_s,
                    coalesce(sum(duration_s) FILTER (WHERE kind = 'recompile'), 0) AS recompile_s,
                    list(DISTINCT reason ORDER BY reason) FILTER (WHERE reason IS NOT NULL) AS reasons
             FROM compile_events WHERE run_id = ? AND (function IS NOT NULL OR file IS NOT NULL)
             GROUP BY function, file, line
             ORDER BY recompiles DESC, compile_s DESC, function LIMIT 50
             """,
-            [run_id],
+            [list(COMPILE_KINDS), list(COMPILE_KINDS), run_id],
         )
         kind_cond, kind_params = ("", []) if not kinds else (" AND list_contains(?, kind)", [kinds])
         origin = s.one(

@@ -1,0 +1,1 @@
+"""Page scripts that st.navigation runs; each calls its page module."""
