@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # "module:function" of functions that add subcommands (import, export, dashboard, repro...).
 EXTRA_COMMANDS: list[str] = [
+    "tpudiag.commands.import_cmd:register",
     "tpudiag.commands.export:register",
+    "tpudiag.commands.dashboard:register",
 ]
 
 
