@@ -65,8 +65,8 @@ def has_device_trace(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
 def slow_ops(store: Store, run_id: str, limit: int = 20, by_module: bool = True) -> list[dict[str, Any]]:
     """Ops ranked by self time: device time when the run has a device trace, host time otherwise."""
     with store.reader() as r:
-        device = has_device_trace(r, run_id)
-        cats = DEVICE_OP_CATEGORIES if device else HOST_OP_CATEGORIES
+        if has_device_trace(r, run_id):
+            return device_slow_ops(r, run_id, limit, by_module)
         group = "name, module" if by_module else "name"
         module_col = "module" if by_module else "NULL AS module"
         rows = _dicts(
@@ -80,12 +80,56 @@ def slow_ops(store: Store, run_id: str, limit: int = 20, by_module: bool = True)
                 ORDER BY self_us DESC, name
                 LIMIT ?
                 """,
-                [run_id, list(cats), limit],
+                [run_id, list(HOST_OP_CATEGORIES), limit],
             )
         )
-    source = "device" if device else "host"
     for row in rows:
-        row["time_source"] = source
+        row["time_source"] = "host"
+        row["self_us"] = round(float(row["self_us"]), 3)
+        row["total_us"] = round(float(row["total_us"]), 3)
+    return rows
+
+
+def device_slow_ops(
+    con: duckdb.DuckDBPyConnection, run_id: str, limit: int = 20, by_module: bool = True
+) -> list[dict[str, Any]]:
+    """Device time ranked by the op users wrote: the launching CPU op of GPU kernels, the framework op of XLA ops.
+
+    Each entry keeps the device side too: how many device ops (kernels / HLO ops) it ran, the one that took the
+    most time, and the FLOPs and bytes when the trace has them.  Device events with no known op (e.g. a kernel
+    whose launch fell outside the trace) are listed under their own name.
+    """
+    module_col = "module" if by_module else "NULL"
+    rows = _dicts(
+        con.execute(
+            f"""
+            WITH dev AS (
+                SELECT coalesce(framework_op, name) AS op, {module_col} AS module, name AS device_op,
+                       coalesce(launch_id, event_id) AS launch, self_ns, dur_ns, flops, bytes_accessed
+                FROM trace_events
+                WHERE run_id = ? AND on_device AND list_contains(?, category)
+            ), per_device_op AS (
+                SELECT op, module, device_op, count(*) AS n, count(DISTINCT launch) AS launches,
+                       sum(self_ns) AS self_ns, sum(dur_ns) AS dur_ns, sum(flops) AS flops,
+                       sum(bytes_accessed) AS bytes
+                FROM dev GROUP BY op, module, device_op
+            )
+            SELECT op AS name, module, sum(launches) AS calls, sum(n) AS device_events,
+                   count(*) AS device_op_kinds, arg_max(device_op, self_ns) AS top_device_op,
+                   sum(self_ns) / 1e3 AS self_us, sum(dur_ns) / 1e3 AS total_us,
+                   sum(flops) AS flops, sum(bytes) AS bytes_accessed
+            FROM per_device_op
+            GROUP BY op, module
+            ORDER BY self_us DESC, name
+            LIMIT ?
+            """,
+            [run_id, list(DEVICE_OP_CATEGORIES), limit],
+        )
+    )
+    for row in rows:
+        row["time_source"] = "device"
+        row["calls"] = int(row["calls"])
+        row["device_events"] = int(row["device_events"])
         row["self_us"] = round(float(row["self_us"]), 3)
         row["total_us"] = round(float(row["total_us"]), 3)
     return rows
