@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import duckdb
 import pyarrow as pa
 
-from tpudiag.model import BULK_TABLES, Run
+from tpudiag.model import BULK_TABLES, Run, TraceEvent, column_names
 
 BATCH_ROWS = 200_000
 # Tables of a run, with the column that holds the run id.
@@ -22,7 +22,7 @@ RUN_TABLES: dict[str, str] = {Run.TABLE: "id", **{name: "run_id" for name in BUL
 XPLANE_COLUMNS = (
     "event_id", "process", "thread", "name", "category", "start_ns", "dur_ns", "on_device", "module",
     "shapes", "dtypes", "correlation", "external_id", "framework_op", "hlo_category", "flops",
-    "bytes_accessed", "launch_id", "step",
+    "bytes_accessed", "launch_id", "step", "args",
 )  # fmt: skip
 
 
@@ -81,7 +81,9 @@ def time_origin_ns(con: duckdb.DuckDBPyConnection, run_id: str) -> int | None:
 
 def xplane_event_batches(con: duckdb.DuckDBPyConnection, run_id: str, rank: int) -> pa.RecordBatchReader:
     """One rank's events ordered by track then time (parents before children), for building XLines."""
-    cols = ", ".join(f'"{c}"' for c in XPLANE_COLUMNS)
+    have = _columns(con, "trace_events")
+    # A column the store predates (same schema version, older build) reads as NULL.
+    cols = ", ".join(f'"{c}"' if c in have else f'NULL AS "{c}"' for c in XPLANE_COLUMNS)
     rel = con.sql(
         f"SELECT {cols} FROM trace_events WHERE run_id = ? AND rank = ? "
         "ORDER BY on_device, process, thread, start_ns, dur_ns DESC, event_id",
@@ -89,6 +91,20 @@ def xplane_event_batches(con: duckdb.DuckDBPyConnection, run_id: str, rank: int)
     )
     reader: pa.RecordBatchReader = rel.to_arrow_reader(BATCH_ROWS)
     return reader
+
+
+def _columns(con: duckdb.DuckDBPyConnection, table: str) -> set[str]:
+    rows = con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]
+    ).fetchall()
+    return {str(r[0]) for r in rows}
+
+
+def _events_cte(con: duckdb.DuckDBPyConnection) -> str:
+    """``ev``: the run's trace events (run id ``$1``), with NULL for columns an older store lacks."""
+    missing = [c for c in column_names(TraceEvent) if c not in _columns(con, "trace_events")]
+    extra = "".join(f', NULL AS "{c}"' for c in missing)
+    return f"ev AS (SELECT *{extra} FROM trace_events WHERE run_id = $1)"
 
 
 def steps(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[int, int, int, int, str]]:
@@ -160,7 +176,7 @@ def chrome_event_json(con: duckdb.DuckDBPyConnection, run_id: str, origin_ns: in
         ]
     )
     sql = f"""
-    WITH {_VERDICTS_CTE},
+    WITH {_VERDICTS_CTE}, {_events_cte(con)},
     track AS (
         SELECT rank, process, thread,
                dense_rank() OVER (ORDER BY rank, process) AS pid,
@@ -172,12 +188,12 @@ def chrome_event_json(con: duckdb.DuckDBPyConnection, run_id: str, origin_ns: in
            || ',"ts":' || ((e.start_ns - $2) // 1000)::VARCHAR
            || '.' || lpad(((e.start_ns - $2) % 1000)::VARCHAR, 3, '0')
            || ',"dur":' || (e.dur_ns // 1000)::VARCHAR || '.' || lpad((e.dur_ns % 1000)::VARCHAR, 3, '0')
-           || ',"args":{{' || array_to_string(list_filter([{args}], x -> x IS NOT NULL), ',') || '}}}}' AS j
-    FROM trace_events e
+           || ',"args":{{'
+           || array_to_string(list_filter([{args}], lambda x: x IS NOT NULL), ',') || '}}}}' AS j
+    FROM ev e
     JOIN track t USING (rank, process, thread)
     LEFT JOIN verdicts v ON v.op_name = e.name AND v.op_module IS NOT DISTINCT FROM e.module
                          AND e.category = 'cpu_op'
-    WHERE e.run_id = $1
     ORDER BY e.start_ns, e.event_id
     """
     reader: pa.RecordBatchReader = con.sql(sql, params=[run_id, origin_ns]).to_arrow_reader(BATCH_ROWS)
@@ -212,14 +228,13 @@ def chrome_flows(
     a shared ``correlation`` id (Kineto's launch/kernel link).
     """
     rows = con.execute(
-        """
-        WITH dev AS (
-            SELECT * FROM trace_events WHERE run_id = $1 AND on_device
-                AND (launch_id IS NOT NULL OR correlation IS NOT NULL)
+        f"""
+        WITH {_events_cte(con)},
+        dev AS (
+            SELECT * FROM ev WHERE on_device AND (launch_id IS NOT NULL OR correlation IS NOT NULL)
         ),
         host AS (
-            SELECT event_id, rank, process, thread, start_ns, correlation FROM trace_events
-            WHERE run_id = $1 AND NOT on_device
+            SELECT event_id, rank, process, thread, start_ns, correlation FROM ev WHERE NOT on_device
         ),
         by_corr AS (
             SELECT correlation, rank, arg_min(event_id, start_ns) AS event_id FROM host
