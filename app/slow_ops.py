@@ -16,12 +16,14 @@ ALL = "(all)"
 GROUP_LABELS = {"op": "op", "op_module": "op and module", "module": "module"}
 
 
-def top_table(rows: list[dict[str, Any]], total_self_ns: int) -> list[dict[str, Any]]:
+def top_table(
+    rows: list[dict[str, Any]], total_self_ns: int, grouping: str = "op_module"
+) -> list[dict[str, Any]]:
     """The rows of the top-ops table: times in ms, each op's share of all op self time."""
+    keys = {"op": ("op",), "module": ("module",)}.get(grouping, ("op", "module"))
     return [
         {
-            "op": r["name"],
-            "module": r["module"],
+            **{k: r["name" if k == "op" else "module"] for k in keys},
             "calls": r["calls"],
             "self ms": round(r["self_ns"] / 1e6, 3),
             "total ms": round(r["total_ns"] / 1e6, 3),
@@ -81,7 +83,7 @@ def render(s: Store) -> None:
     tree = charts.module_tree(view.modules)
     if tree is not None:
         right.plotly_chart(tree, key="so_tree")
-    st.dataframe(top_table(view.top, int(view.totals["self_ns"])), hide_index=True, key="so_table")
+    st.dataframe(top_table(view.top, int(view.totals["self_ns"]), grouping), hide_index=True, key="so_table")
 
     fig = charts.step_breakdown(view.steps, view.step_breakdown)
     if fig is not None:

@@ -74,6 +74,7 @@ def streamlit_command(script: Path, host: str, port: int) -> list[str]:
         "--global.developmentMode", "false",
         "--client.toolbarMode", "viewer",
         "--theme.base", "light",
+        "--logger.level", "warning",
     ]  # fmt: skip
 
 
