@@ -165,7 +165,9 @@ class CompileEvent:
 
     run_id: str
     seq: int
-    kind: str  # "compile" | "recompile" | "graph_break" | "cache" | "failure" | "tpu_eager" | ...
+    # "compile" | "recompile" | "backward_compile" | "graph_break" | "cache" | "tpu_eager" | "tpu_graph" |
+    # "tpu_stats" (see tpudiag.analysis.compile_events for what each one carries)
+    kind: str
     ts_ns: int | None = None
     rank: int = 0
     frame_id: int | None = None
@@ -180,6 +182,7 @@ class CompileEvent:
     duration_s: float | None = None
     shapes: str | None = None
     payload: str | None = None  # JSON
+    failed: bool = False  # the compilation (Dynamo frame, backend, TorchTPU executable) failed
 
 
 RECORD_TYPES: tuple[type[Any], ...] = (Run, TraceEvent, Step, OpRecord, OpDiff, CompileEvent)

@@ -22,6 +22,7 @@ ENTRY_POINT_GROUP = "tpudiag.collectors"
 # name -> "module:attribute" of a factory returning a Collector.
 BUILTIN_COLLECTORS: dict[str, str] = {
     "trace": "tpudiag.collectors.trace:TraceCollector",
+    "compile": "tpudiag.collectors.compile:CompileCollector",
 }
 
 

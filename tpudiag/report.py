@@ -27,7 +27,9 @@ Builder = Callable[[Store, dict[str, Any]], Any]
 Renderer = Callable[[Any], list[str]]
 
 # name -> "module:builder_fn:renderer_fn"; sections are imported lazily and fail soft.
-SECTIONS: dict[str, str] = {}
+SECTIONS: dict[str, str] = {
+    "compile": "tpudiag.compile_report:build_section:render_section",
+}
 
 
 def run_summary(run: dict[str, Any]) -> dict[str, Any]:
