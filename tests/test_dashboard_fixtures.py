@@ -1,9 +1,10 @@
-"""Hand-built runs for the dashboard tests, written through the real spool + ingest path into a real DuckDB file.
+"""Hand-built runs for the dashboard tests, written through the real spool + ingest path into a DuckDB file.
 
 ``rich_store`` holds three runs:
 - ``base``: host trace (cpu_op events in a module tree, 4 steps), numerics with one originator and one
   propagator, compile events (compiles, recompiles with reasons, a graph break, cache hits and misses);
-- ``cand``: the same model slower in ``aten::mm``, with a device trace (kernels), clean numerics, no compile events;
+- ``cand``: the same model slower in ``aten::mm``, with a device trace (kernels), clean numerics, no compile
+  events;
 - ``hostile``: a run whose name, ops and modules are script/HTML/SQL fragments.
 The expected numbers in tests are computed from these records, never typed in.
 """
@@ -14,8 +15,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from tests.factories import make_event, make_run, make_step, store_with
 from tpudiag.model import CompileEvent, OpDiff, OpRecord, Run, Step, TraceEvent
@@ -59,7 +58,7 @@ def trace_run(
     op_names: dict[str, str] | None = None,
     modules: tuple[str, ...] = MODULES,
 ) -> BuiltRun:
-    """A host trace: per step, each module runs each op once (mm ``mm_scale`` times slower); optional kernels."""
+    """A host trace: per step, each module runs each op once (mm ``mm_scale`` slower); optional kernels."""
     built = BuiltRun(run)
     op_names = op_names or {}
     eid = 0
@@ -241,11 +240,6 @@ def build_rich_store(path: Path) -> RichStore:
     return RichStore(store, base, cand, hostile)
 
 
-@pytest.fixture(scope="module")
-def rich(tmp_path_factory: pytest.TempPathFactory) -> RichStore:
-    return build_rich_store(tmp_path_factory.mktemp("dash") / "store.duckdb")
-
-
 def expected_top_ops(built: BuiltRun, device: bool = False) -> list[tuple[str, int, int]]:
     """(name, calls, self ns) by self time, computed from the records the way the page should."""
     totals: dict[str, list[int]] = {}
@@ -258,10 +252,11 @@ def expected_top_ops(built: BuiltRun, device: bool = False) -> list[tuple[str, i
     return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda x: (-x[2], x[0]))
 
 
-def test_rich_store_lands(rich: RichStore) -> None:
-    """The fixture itself: every record written is readable back through the store."""
+def test_rich_store_lands(tmp_path: Path) -> None:
+    """The builder itself: every record written is readable back through the store."""
     from tpudiag.store import queries
 
+    rich = build_rich_store(tmp_path / "store.duckdb")
     runs = queries.list_runs(rich.store)
     assert [r["name"] for r in runs] == [HOSTILE, "cand", "base"]
     counts = queries.trace_counts(rich.store, rich.base.run.id)

@@ -6,8 +6,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.factories import make_run
-from tests.test_dashboard_fixtures import HOSTILE, RichStore, expected_top_ops, rich  # noqa: F401
+from tests.test_dashboard_fixtures import HOSTILE, RichStore, build_rich_store, expected_top_ops
 from tpudiag.app import charts
 from tpudiag.app.common import chart_text, fmt_ns
 from tpudiag.app.compilation import frame_rows, headline
@@ -16,6 +18,11 @@ from tpudiag.app.runs import run_rows
 from tpudiag.app.slow_ops import top_table
 from tpudiag.store import Store
 from tpudiag.store import dashboard_queries as q
+
+
+@pytest.fixture(scope="module")
+def rich(tmp_path_factory: pytest.TempPathFactory) -> RichStore:
+    return build_rich_store(tmp_path_factory.mktemp("dash") / "store.duckdb")
 
 
 def test_runs_headlines(rich: RichStore) -> None:
@@ -150,7 +157,7 @@ def test_numerics_series_keeps_peaks_when_bucketed(rich: RichStore) -> None:
     assert list(originators.x) == [17]
 
 
-def test_numerics_absent(rich: RichStore, tmp_path: Path) -> None:
+def test_numerics_absent(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.duckdb")
     run = make_run()
     store.put_run(run)
@@ -209,7 +216,7 @@ def test_module_tree_and_chart_text() -> None:
     assert fmt_ns(1_500_000) == "1.50 ms" and fmt_ns(None) == "–"
 
 
-def test_readers_wait_for_a_writer(rich: RichStore, tmp_path: Path) -> None:
+def test_readers_wait_for_a_writer(tmp_path: Path) -> None:
     """A page read while a capture holds the write lock waits for it instead of failing."""
     store = Store(tmp_path / "busy.duckdb")
     run = make_run(name="busy")
@@ -225,7 +232,7 @@ def test_readers_wait_for_a_writer(rich: RichStore, tmp_path: Path) -> None:
     t.start()
     held.wait(5)
     t0 = time.monotonic()
-    # DuckDB in one process shares the database instance, so use a second Store object with its own connections.
+    # A second Store object: its own connections, as another process would have.
     view = q.load_runs(Store(store.path))
     t.join()
     assert [r["name"] for r in view.runs] == ["busy"]
