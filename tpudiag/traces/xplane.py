@@ -53,6 +53,7 @@ _STEP_NUM = re.compile(r"(?:^|,)step_num=(\d+)")
 _TRAILING_INT = re.compile(r"(\d+)$")
 _HLO_CATEGORY = re.compile(r"(?:^|,)hlo_category=([^,]*)")
 _PYTHON_FRAME = "$"
+_NAME_TYPE = re.compile(r"^(.*[^:]):([^:]+)$")
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ def to_tables(
         "on_device": on_device,
         "flops": pc.cast(raw.column("flops"), pa.float64()),
         "bytes_accessed": memory,
-        "framework_op": [tf_op[i] if on_device[i] else None for i in range(n)],
+        "framework_op": [_framework_op(tf_op[i]) if on_device[i] else None for i in range(n)],
         "hlo_category": hlo_category,
         "launch_id": [None] * n,
         "args": args,
@@ -190,6 +191,14 @@ def to_tables(
     schema = arrow_schema(TraceEvent)
     table = pa.table({f.name: _as_array(columns[f.name], f.type) for f in schema}, schema=schema)
     return XPlaneTables(events=table, steps=steps)
+
+
+def _framework_op(tf_op: str | None) -> str | None:
+    """``aten::addmm:addmm`` (XLA's ``name:type`` form) -> ``aten::addmm``."""
+    if not tf_op:
+        return None
+    m = _NAME_TYPE.match(tf_op)
+    return m.group(1) if m else tf_op
 
 
 def _as_array(value: Any, typ: pa.DataType) -> pa.Array | pa.ChunkedArray:

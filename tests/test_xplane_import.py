@@ -1,0 +1,82 @@
+"""XPlane import through xprof's Events DB: real jax/torch_tpu XSpaces and a synthetic TPU device plane."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from tests.conftest import REPO, run_tpudiag
+from tpudiag.store import Store, queries
+from tpudiag.traces import xplane
+from tpudiag.traces import xplane_proto as xp
+
+SAMPLES = REPO / "sample_traces"
+
+
+def _xspace_events(path: Path) -> int:
+    """Independent count: every XEvent of every line of every plane, read with protobuf."""
+    space = xp.parse_xspace(path.read_bytes())
+    return sum(len(line.events) for plane in space.planes for line in plane.lines)
+
+
+@pytest.mark.parametrize(
+    "name", ["xla/jax_cpu_train_step.xplane.pb", "xla/jax_cpu_matmul_tanh.xplane.pb",
+             "torch_tpu/host_only_cpu_activity.xplane.pb"],
+)
+def test_fixture_xspaces_import_every_event(shared_fixtures: Path, db: Path, name: str) -> None:
+    path = shared_fixtures / name
+    proc = run_tpudiag("import", str(path), "--db", str(db))
+    assert proc.returncode == 0, proc.stderr
+    run_id = proc.stdout.strip()
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT count(*) FROM trace_events WHERE run_id = ?", [run_id]).fetchone() == (
+        _xspace_events(path),
+    )
+    # nesting: self time never exceeds duration; children lie inside their parent
+    bad = con.execute(
+        """SELECT count(*) FROM trace_events c JOIN trace_events p ON p.run_id = c.run_id AND p.event_id = c.parent_id
+           WHERE c.run_id = ? AND (c.start_ns < p.start_ns OR c.start_ns + c.dur_ns > p.start_ns + p.dur_ns)""",
+        [run_id],
+    ).fetchone()
+    assert bad == (0,)
+    artifacts = con.execute("SELECT artifacts_dir FROM runs WHERE id = ?", [run_id]).fetchone()
+    assert artifacts is not None
+    kept = list(Path(artifacts[0]).rglob("*.xplane.pb"))
+    assert [p.read_bytes() for p in kept] == [path.read_bytes()]
+
+
+def test_jax_step_annotations_become_steps(shared_fixtures: Path) -> None:
+    tables = xplane.load(shared_fixtures / "xla/jax_cpu_train_step.xplane.pb", "r")
+    assert [s.step for s in tables.steps] == list(range(30))  # 30 jitted train steps
+    assert all(s.kind == "profiler_step" for s in tables.steps)
+
+
+def test_tpu_device_plane_ranks_framework_ops_by_device_time(db: Path) -> None:
+    path = SAMPLES / "tpu_device.xplane.pb"
+    expected = json.loads((SAMPLES / "tpu_device.expected.json").read_text())
+    proc = run_tpudiag("import", str(path), "--db", str(db), "--name", "tpu")
+    assert proc.returncode == 0, proc.stderr
+    run_id = proc.stdout.strip()
+    store = Store(db)
+    run = queries.resolve_run(store, "tpu")
+    assert run["device_kind"] == "tpu"
+    ops = queries.slow_ops(store, run_id, by_module=False)
+    want = sorted(expected["ops"].items(), key=lambda kv: -kv[1]["ps"])
+    assert [o["name"] for o in ops] == [name for name, _ in want]
+    for o, (_, e) in zip(ops, want, strict=True):
+        assert o["time_source"] == "device"
+        assert o["calls"] == e["calls"]
+        assert o["self_us"] == pytest.approx(e["ps"] / 1e6, rel=1e-3)  # Events DB rounds to ~256 ns
+        assert o["flops"] == pytest.approx(e["flops"])
+        assert o["bytes_accessed"] == pytest.approx(e["bytes"])
+    con = duckdb.connect(str(db), read_only=True)
+    cats = dict(con.execute(
+        "SELECT hlo_category, count(*) FROM trace_events WHERE run_id = ? AND category = 'xla_op' GROUP BY 1",
+        [run_id]).fetchall())
+    assert cats == {"convolution fusion": 4, "matmul": 4, "loop fusion": 4, "reduce": 4, "data formatting": 4}
+    steps = queries.steps(store, run_id)
+    assert [s["step"] for s in steps] == list(range(expected["steps"]))
+    assert {s["kind"] for s in steps} == {"device_step"}
