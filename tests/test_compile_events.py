@@ -192,7 +192,7 @@ def test_torch_wrapper_frame_is_named_by_the_user_call_site() -> None:
 
 
 def test_tpu_eager_events_take_the_duration_of_their_chromium_event() -> None:
-    """Records shaped exactly as torch_tpu._internal.tracing emits them: chromium_event, then the artifact pair."""
+    """Records shaped as torch_tpu._internal.tracing emits them: chromium_event, then the artifact pair."""
 
     def artifact(name: str, hit: bool) -> dict[str, Any]:
         return {
