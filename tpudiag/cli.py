@@ -20,6 +20,23 @@ def _add_db(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", help="store path (default: $TPUDIAG_DB or ./tpudiag.duckdb)")
 
 
+def _numerics_mode(text: str) -> str:
+    value = text.strip().lower()
+    if value in ("sample", "all", "off") or (value.isdigit() and int(value) > 0):
+        return value
+    raise argparse.ArgumentTypeError(f"{text!r}: expected sample, all, off, or a number of calls per signature")
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text.rstrip("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a percentage such as 20") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 percent")
+    return value
+
+
 def _split_capture_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Split ``capture`` arguments into tpudiag's options and the target (script or -m module) with its args.
 
@@ -138,6 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="name of the run (default: the script's name)")
     p.add_argument("--collect", help="comma-separated collectors (default: every available one)")
     p.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
+    p.add_argument(
+        "--numerics", metavar="MODE", type=_numerics_mode,
+        help="which ops the numerics collector checks against the CPU float64 oracle: sample (default: the "
+        "first 3 calls of each op/shape/dtype signature), N (the first N calls), all, or off",
+    )
+    p.add_argument(
+        "--budget", metavar="PCT", type=_percent,
+        help="numerics: spend at most PCT percent extra time on checking (e.g. 20); later ops are skipped",
+    )
+    p.add_argument(
+        "--ops", metavar="PATTERNS", help="numerics: check only these ops (comma-separated, e.g. mm,tanh,*norm*)"
+    )
+    p.add_argument(
+        "--modules", metavar="PATTERNS",
+        help="numerics: check only ops inside these modules (comma-separated paths or globs, e.g. transformer.h.0)",
+    )
     p.set_defaults(func=cmd_capture)
 
     p = sub.add_parser("runs", help="list the runs in the store, newest first")

@@ -123,6 +123,9 @@ class OpRecord:
     skip_reason: str | None = None
     flops: float | None = None
     duration_ns: int | None = None
+    kind: str | None = None  # "elementwise" | "reduction" | "matmul" | "normalization" | "discrete" | "copy"
+    calls: int = 1  # >1 for an aggregated row of calls skipped by sampling, filters or budget
+    check_ns: int | None = None  # time spent checking this call (oracle, metrics)
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,10 @@ class OpDiff:
     inf_oracle: int | None = None
     mismatch_rate: float | None = None
     note: str | None = None
+    skip_reason: str | None = None  # why this output was not compared (verdict "skip")
+    emulated_error: float | None = None  # scaled error of an emulated bf16/TF32-input matmul vs the oracle
+    precision: str | None = None  # active precision on matmul/conv outputs (JSON)
+    repro_path: str | None = None  # saved inputs of a divergent op (tpudiag repro)
 
 
 @dataclass(frozen=True)

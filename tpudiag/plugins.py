@@ -23,6 +23,7 @@ ENTRY_POINT_GROUP = "tpudiag.collectors"
 BUILTIN_COLLECTORS: dict[str, str] = {
     "trace": "tpudiag.collectors.trace:TraceCollector",
     "compile": "tpudiag.collectors.compile:CompileCollector",
+    "numerics": "tpudiag.collectors.numerics:NumericsCollector",
 }
 
 

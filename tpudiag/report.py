@@ -29,6 +29,7 @@ Renderer = Callable[[Any], list[str]]
 # name -> "module:builder_fn:renderer_fn"; sections are imported lazily and fail soft.
 SECTIONS: dict[str, str] = {
     "compile": "tpudiag.compile_report:build_section:render_section",
+    "numerics": "tpudiag.numerics_report:build_section:render_section",
 }
 
 

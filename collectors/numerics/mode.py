@@ -1,0 +1,402 @@
+"""The dispatch mode that checks every aten op against the CPU float64 oracle, forward and backward.
+
+For each op call: decide whether to check it (static skip reasons, filters, sampling, budget); copy its inputs to
+the CPU *before* it runs when it mutates arguments; run the real op; re-run it on copies in float64 (and, off the
+CPU, at the device dtype); compare each output; feed the shadow float64 stream that separates originators from
+propagators.  The user's tensors are only ever read.
+
+``ignore_compile_internals`` keeps the mode switched off while torch.compile traces and compiles, so compiled
+code compiles exactly as without tpudiag; at run time the mode sees only the aten ops the compiled artifact calls
+(e.g. extern matmuls), never the fused kernels, which the report lists as not covered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tpudiag.analysis.numerics_metrics import OutputMetrics, compare, dtype_name, is_discrete
+from tpudiag.analysis.verdict import DIVERGENT, Evidence, Verdict, decide, role
+from tpudiag.collectors.numerics import oracle
+from tpudiag.collectors.numerics.oracle import OpPlan
+from tpudiag.collectors.numerics.records import Recorder, describe_inputs
+from tpudiag.collectors.numerics.sampling import Budget, Sampler, SamplingOptions, module_matches, op_matches
+from tpudiag.collectors.numerics.shadow import ShadowStream
+from tpudiag.model import OpDiff, OpRecord
+
+DEFAULT_SIZE_CAP = 1 << 24  # elements per op (inputs and outputs): larger calls are skipped as "size_cap"
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIRS = tuple(
+    os.path.dirname(os.path.abspath(p))
+    for p in (__file__, sys.modules["tpudiag"].__file__ or "")
+)
+_SKIP_PREFIXES = (_TORCH_DIR, *_OWN_DIRS, os.path.dirname(os.__file__) + os.sep + "contextlib")
+
+
+def user_source(depth: int = 2) -> str | None:
+    """``file:line`` of the innermost Python frame outside torch and tpudiag (library code such as transformers
+    counts as the user's: it is where the op was called)."""
+    try:
+        frame: Any = sys._getframe(depth)
+    except ValueError:
+        return None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_SKIP_PREFIXES) and not path.startswith("<frozen"):
+            try:
+                rel = os.path.relpath(path)
+                shown = rel if not rel.startswith("..") else path
+            except ValueError:
+                shown = path
+            return f"{shown}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, outputs: list[Any]) -> float:
+    from torch.utils.flop_counter import flop_registry
+
+    fn = flop_registry.get(getattr(func, "overloadpacket", None))
+    if fn is not None:
+        try:
+            return float(fn(*args, **kwargs, out_val=out))
+        except Exception:
+            pass
+    return float(sum(t.numel() for t in outputs if isinstance(t, torch.Tensor)))
+
+
+@dataclass
+class Context:
+    """Per-run settings the mode needs besides sampling."""
+
+    run_id: str
+    device_kind: str = "cpu"
+    emulations: tuple[str, ...] = ()  # reduced-precision matmul units to emulate: "bf16", "tf32"
+    precision_json: str | None = None
+    size_cap: int = DEFAULT_SIZE_CAP
+    module_of: Callable[[str], str | None] | None = None  # phase -> current module path
+    on_divergence: Callable[[OpRecord, OpDiff], None] | None = None
+
+
+class NumericsMode(TorchDispatchMode):
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, ctx: Context, options: SamplingOptions, recorder: Recorder,
+                 budget: Budget | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.options = options
+        self.recorder = recorder
+        self.sampler = Sampler(options)
+        self.budget = budget or Budget(options.budget_pct)
+        self.shadow = ShadowStream()
+        self.clock = clock
+        self.started = clock()
+        self.seq = 0
+        self.autocast_seen: set[str] = set()
+
+    # -- dispatch -------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            return func(*args, **kwargs)
+        self.seq += 1
+        seq = self.seq
+        self.budget.ops_seen += 1
+        self.recorder.findings.seen += 1
+        plan = oracle.plan_for(func)
+        phase = "backward" if torch._C._current_graph_task_id() >= 0 else "forward"
+        module = self.ctx.module_of(phase) if self.ctx.module_of is not None else None
+        tensors = oracle.tensors_in(args, kwargs)
+        reason = self._skip_reason(func, plan, module, tensors)
+        if reason is not None:
+            out = func(*args, **kwargs)
+            self._unchecked(func, plan, seq, module, phase, reason, args, kwargs, out, tensors)
+            return out
+        return self._check(func, plan, seq, module, phase, args, kwargs, tensors)
+
+    def _skip_reason(self, func: Any, plan: OpPlan, module: str | None, tensors: list[torch.Tensor]) -> str | None:
+        if plan.skip is not None:
+            return plan.skip
+        if not tensors:
+            return "factory"
+        if not self.options.enabled:
+            return "off"
+        if not op_matches(plan.name, self.options.ops) or not module_matches(module, self.options.modules):
+            return "filtered"
+        problem = oracle.input_problem(tensors)
+        if problem is not None:
+            return problem
+        signature = (func, tuple((tuple(t.shape), t.dtype) for t in tensors[:8]))
+        if not self.sampler.wants(signature):
+            return "sampled"
+        if not self.budget.allows(self.clock() - self.started):
+            return "budget"
+        if sum(t.numel() for t in tensors) > self.ctx.size_cap:
+            return "size_cap"
+        return None
+
+    # -- unchecked calls ------------------------------------------------------------------------------------
+    def _unchecked(self, func: Any, plan: OpPlan, seq: int, module: str | None, phase: str, reason: str,
+                   args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, tensors: list[torch.Tensor]) -> None:
+        if len(self.shadow):
+            self._carry_shadow(func, plan, args, kwargs, out, tensors)
+        outputs = oracle.targets(plan, args, kwargs, out)
+        if reason in ("sampled", "filtered", "budget", "off"):
+            dtypes = json.dumps(sorted({dtype_name(t.dtype) for t in tensors}))
+            flops = _flops(func, args, kwargs, out, outputs) if plan.kind == "matmul" else float(
+                sum(t.numel() for t in outputs if isinstance(t, torch.Tensor)))
+            self.recorder.aggregate(seq, plan.name, phase, module, reason, flops, dtypes)
+            return
+        dtypes, shapes = describe_inputs(tensors)
+        self.recorder.op(OpRecord(
+            run_id=self.ctx.run_id, seq=seq, op=plan.name, overload=plan.overload, module=module, phase=phase,
+            source_loc=user_source(3), dtypes=dtypes, shapes=shapes, device=_device(tensors), checked=False,
+            skip_reason=reason, flops=_flops(func, args, kwargs, out, outputs), kind=plan.kind,
+        ))
+
+    def _carry_shadow(self, func: Any, plan: OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+                      tensors: list[torch.Tensor]) -> None:
+        """Views of a tensor with a shadow get the same view of the shadow; anything else loses its shadow."""
+        if plan.is_view and plan.skip == "view" and tensors and isinstance(out, torch.Tensor):
+            src = self.shadow.get(tensors[0])
+            if src is not None:
+                try:
+                    a64, k64 = oracle.convert(args, kwargs, oracle.float64_of, self.shadow.get)
+                    view = func(*a64, **k64)
+                    if isinstance(view, torch.Tensor) and view.shape == out.shape:
+                        self.shadow.set(out, view)
+                except Exception:
+                    pass
+            return
+        for w in oracle.targets(plan, args, kwargs, out):
+            if isinstance(w, torch.Tensor):
+                self.shadow.forget(w)
+
+    # -- checked calls --------------------------------------------------------------------------------------
+    def _check(self, func: Any, plan: OpPlan, seq: int, module: str | None, phase: str, args: tuple[Any, ...],
+               kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> Any:
+        t0 = self.clock()
+        snap: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        if plan.mutates:
+            # Inputs as they were before the op writes them (any argument may alias a written one).
+            snap = oracle.convert(args, kwargs, lambda d: d)
+        shadows_in = self.shadow.has_any(tensors)
+        shadow_subst: dict[int, torch.Tensor] = {}
+        if shadows_in:
+            for t in tensors:
+                s = self.shadow.get(t)
+                if s is not None:
+                    shadow_subst[id(t)] = s
+        t_op = self.clock()
+        out = func(*args, **kwargs)
+        op_s = self.clock() - t_op
+        src_args, src_kwargs = snap if snap is not None else (args, kwargs)
+        outputs = oracle.targets(plan, args, kwargs, out)
+        dtypes, shapes = describe_inputs(tensors)
+        record = OpRecord(
+            run_id=self.ctx.run_id, seq=seq, op=plan.name, overload=plan.overload, module=module, phase=phase,
+            source_loc=None, dtypes=dtypes, shapes=shapes, device=_device(tensors), checked=True,
+            flops=_flops(func, args, kwargs, out, outputs), kind=plan.kind, duration_ns=int(op_s * 1e9),
+        )
+        try:
+            diffs = self._compare(func, plan, seq, record, src_args, src_kwargs, args, kwargs, outputs, tensors,
+                                  shadow_subst)
+        except _OracleFailed as failed:
+            record = _replace(record, checked=False, skip_reason=failed.reason)
+            diffs = []
+        check_s = self.clock() - t0 - op_s
+        self.budget.charge(check_s)
+        record = _replace(record, check_ns=int(check_s * 1e9))
+        divergent = [d for d in diffs if d.role is not None]
+        if divergent or record.skip_reason is not None:
+            record = _replace(record, source_loc=user_source(3))
+        if divergent and divergent[0].role == "originator" and snap is None:
+            snap = (src_args, src_kwargs)
+        if divergent and any(d.role == "originator" for d in divergent):
+            cpu_args, cpu_kwargs = snap if snap is not None else oracle.convert(args, kwargs, lambda d: d)
+            path = self.recorder.save_repro(seq, func, cpu_args, cpu_kwargs, {
+                "module": module, "phase": phase, "source": record.source_loc, "device": self.ctx.device_kind,
+                "dtypes": dtypes, "run_id": self.ctx.run_id,
+            })
+            if path is not None:
+                diffs = [_replace(d, repro_path=path) if d.role == "originator" else d for d in diffs]
+        self.recorder.findings.checked += record.checked
+        self.recorder.op(record)
+        self.recorder.diffs(diffs)
+        if divergent:
+            self.recorder.findings.divergent += 1
+            if any(d.role == "originator" for d in divergent):
+                self.recorder.findings.originators += 1
+                if self.recorder.findings.first is None:
+                    self.recorder.findings.first = f"{plan.name} seq {seq} ({module or 'no module'})"
+                if self.ctx.on_divergence is not None:
+                    self.ctx.on_divergence(record, divergent[0])
+        return out
+
+    def _compare(self, func: Any, plan: OpPlan, seq: int, record: OpRecord, src_args: tuple[Any, ...],
+                 src_kwargs: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], outputs: list[Any],
+                 tensors: list[torch.Tensor], shadow_subst: dict[int, torch.Tensor]) -> list[OpDiff]:
+        storage = plan.name.split("::")[-1] in oracle.STORAGE_OPS
+        convert = oracle.convert_storage_faithful if storage else oracle.convert
+        a64, k64, expected = self._run(func, plan, src_args, src_kwargs, convert, oracle.float64_of)
+        if len(expected) != len(outputs):
+            raise _OracleFailed("output_mismatch")
+        reference: list[Any] | None = None
+        if self.ctx.device_kind != "cpu" and any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
+                                                 for t in outputs):
+            try:
+                reference = self._run(func, plan, src_args, src_kwargs, convert, lambda d: d)[2]
+            except _OracleFailed:
+                reference = None
+        shadowed: list[Any] | None = None
+        if shadow_subst:
+            by_id = {id(t): s for t, s in zip(oracle.tensors_in(args, kwargs),
+                                              oracle.tensors_in(src_args, src_kwargs), strict=False)}
+
+            def substitute(x: torch.Tensor) -> torch.Tensor | None:
+                if id(x) in shadow_subst:
+                    return shadow_subst[id(x)]
+                return by_id.get(id(x))
+
+            try:
+                shadowed = self._run(func, plan, args, kwargs, convert, oracle.float64_of, substitute)[2]
+            except _OracleFailed:
+                shadowed = None
+        red_len = oracle.reduction_len(plan, tensors, outputs)
+        diffs: list[OpDiff] = []
+        for i, (dev, exp) in enumerate(zip(outputs, expected, strict=True)):
+            skip = plan.skip_outputs.get(i)
+            dev_t = oracle.as_tensor(dev)
+            exp_t = oracle.as_tensor(exp)
+            if skip is None and dev_t.shape != exp_t.shape:
+                skip = "shape_mismatch"
+            if skip is None and dev_t.numel() > self.ctx.size_cap:
+                skip = "size_cap"
+            if skip is not None:
+                diffs.append(OpDiff(run_id=self.ctx.run_id, seq=seq, output_index=i, verdict="skip",
+                                    dtype=dtype_name(dev_t.dtype), numel=int(dev_t.numel()), skip_reason=skip))
+                continue
+            device_cpu = dev_t.detach().to("cpu")
+            m = compare(device_cpu, exp_t)
+            ref_m = compare(oracle.as_tensor(reference[i]).to("cpu"), exp_t) if reference is not None else None
+            ev = Evidence(dtype=m.dtype, kind=plan.kind, scaled_error=m.scaled_error,
+                          ref_scaled_error=ref_m.scaled_error if ref_m else None, overflow=m.overflow,
+                          nonfinite_mismatch=m.nonfinite_mismatch, mismatch_rate=m.mismatch_rate,
+                          reduction_len=red_len)
+            verdict = decide(ev)
+            emulated: float | None = None
+            if verdict.verdict == "fail" and plan.kind == "matmul" and m.dtype == "float32" and self.ctx.emulations:
+                emulated = self._emulated_error(func, plan, src_args, src_kwargs, i, exp_t)
+                if emulated is not None:
+                    verdict = decide(Evidence(**{**ev.__dict__, "emulated_scaled_error": emulated}))
+            prop_err: float | None = None
+            prop_div = False
+            if shadowed is not None and i < len(shadowed) and not is_discrete(dev_t.dtype):
+                sm = compare(device_cpu, oracle.as_tensor(shadowed[i]))
+                prop_err = sm.scaled_error
+                prop_div = decide(Evidence(dtype=sm.dtype, kind=plan.kind, scaled_error=sm.scaled_error,
+                                           overflow=sm.overflow, nonfinite_mismatch=sm.nonfinite_mismatch,
+                                           reduction_len=red_len)).verdict in DIVERGENT
+                if prop_div and isinstance(dev, torch.Tensor):
+                    self.shadow.set(dev, oracle.as_tensor(shadowed[i]))
+            if not prop_div and isinstance(dev, torch.Tensor):
+                if verdict.verdict in DIVERGENT and not is_discrete(dev_t.dtype):
+                    self.shadow.set(dev, exp_t)
+                else:
+                    self.shadow.forget(dev)
+            diffs.append(self._diff_row(seq, i, m, ref_m, verdict, role(verdict.verdict, prop_div), prop_err,
+                                        emulated, plan))
+        return diffs
+
+    def _run(self, func: Any, plan: OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any], convert: Any,
+             dtype_fn: Callable[[torch.dtype], torch.dtype],
+             substitute: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+             ) -> tuple[tuple[Any, ...], dict[str, Any], list[Any]]:
+        try:
+            if substitute is not None:
+                a, k = oracle.convert(args, kwargs, dtype_fn, substitute)
+            else:
+                a, k = convert(args, kwargs, dtype_fn)
+            result = func(*a, **k)
+        except NotImplementedError:
+            raise _OracleFailed("no_cpu_kernel") from None
+        except Exception as err:
+            text = str(err)
+            reason = "no_cpu_kernel" if "not implemented for" in text or "NotImplemented" in text else "oracle_error"
+            raise _OracleFailed(reason) from None
+        return a, k, oracle.targets(plan, a, k, result)
+
+    def _emulated_error(self, func: Any, plan: OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any], index: int,
+                        expected: torch.Tensor) -> float | None:
+        best: float | None = None
+        for _, cast in oracle.emulation_casts(list(self.ctx.emulations)):
+            try:
+                a, k = oracle.emulate_inputs(args, kwargs, cast)
+                res = oracle.targets(plan, a, k, func(*a, **k))
+                m = compare(oracle.as_tensor(res[index]).to(torch.float32), expected)
+            except Exception:
+                continue
+            if m.scaled_error is not None:
+                best = m.scaled_error if best is None else max(best, m.scaled_error)
+        return best
+
+    def _diff_row(self, seq: int, index: int, m: OutputMetrics, ref: OutputMetrics | None, verdict: Verdict,
+                  op_role: str | None, prop_err: float | None, emulated: float | None, plan: OpPlan) -> OpDiff:
+        return OpDiff(
+            run_id=self.ctx.run_id, seq=seq, output_index=index, verdict=verdict.verdict, role=op_role,
+            dtype=m.dtype, numel=m.numel, max_abs=m.max_abs, max_rel=m.max_rel, mean_abs=m.mean_abs, rmse=m.rmse,
+            cosine=m.cosine, max_ulp=m.max_ulp, mean_ulp=m.mean_ulp, scaled_error=m.scaled_error,
+            ref_scaled_error=ref.scaled_error if ref else None, propagated_error=prop_err,
+            threshold=verdict.threshold, nan_device=m.nan_device, inf_device=m.inf_device,
+            nan_oracle=m.nan_oracle, inf_oracle=m.inf_oracle, mismatch_rate=m.mismatch_rate, note=verdict.note,
+            emulated_error=emulated,
+            precision=self._precision_now() if plan.kind == "matmul" else None,
+        )
+
+
+    def _precision_now(self) -> str | None:
+        """The run's matmul precision knobs plus the autocast state when this op ran."""
+        autocast = {}
+        for dev in ("cpu", "cuda", "tpu"):
+            try:
+                if torch.is_autocast_enabled(dev):
+                    autocast[dev] = dtype_name(torch.get_autocast_dtype(dev))
+            except Exception:
+                continue
+        self.autocast_seen.update(autocast)
+        base = json.loads(self.ctx.precision_json) if self.ctx.precision_json else {}
+        if autocast:
+            base["autocast"] = autocast
+        return json.dumps(base, sort_keys=True)
+
+
+class _OracleFailed(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _replace(obj: Any, **changes: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def _device(tensors: list[torch.Tensor]) -> str | None:
+    for t in tensors:
+        if t.device.type != "cpu":
+            return str(t.device)
+    return "cpu" if tensors else None
