@@ -150,7 +150,11 @@ class CompileCollector:
                 del os.environ[TRACE_ENV]
         self._builder = CompileEventBuilder(ctx.run_id)
         self._handler = _Handler(self._builder, self._events, self._lock)
+        # First in line: without TORCH_TRACE, torch's LazyTraceHandler removes itself on the first record
+        # while logging iterates the handlers, which skips the handler after it for that record.
         logger.addHandler(self._handler)
+        logger.handlers.remove(self._handler)
+        logger.handlers.insert(0, self._handler)
         if logger.getEffectiveLevel() > logging.DEBUG:
             logger.setLevel(logging.DEBUG)
         self._stats_start = tpu_cache_stats()
