@@ -56,7 +56,10 @@ def detect_steps(
     dur_ns: Sequence[int],
     parent: Sequence[int],
     root_inputs: Sequence[str | None] = (),
+    whole_fallback: bool = True,
 ) -> list[StepSpan]:
+    """Steps by the rules in the module docstring; ``whole_fallback=False`` returns [] instead of one whole step
+    (a later chunk of a rotated trace with no step markers belongs to no step)."""
     n = len(names)
     if n == 0:
         return []
@@ -113,6 +116,8 @@ def detect_steps(
             StepSpan(k, start_ns[i], dur_ns[i], "forward", root_shapes.get(i)) for k, i in enumerate(roots)
         ]
 
+    if not whole_fallback:
+        return []
     lo = min(start_ns)
     hi = max(s + d for s, d in zip(start_ns, dur_ns, strict=True))
     return [StepSpan(0, lo, hi - lo, "whole", None)]

@@ -293,6 +293,7 @@ def to_tables(
     module_sources: dict[str, str] | None = None,
     root_inputs: Sequence[str | None] = (),
     source: str = "kineto",
+    whole_fallback: bool = True,
 ) -> TraceTables:
     """Analyse one trace (nesting, self time, modules, steps, kernel launches) and build its trace_events table."""
     cols = trace.columns
@@ -307,7 +308,7 @@ def to_tables(
     codes = thread_codes(list(zip(process, thread, strict=True)))
     parent, depth, self_ns = nest_arrays(codes, start, dur)
     attr = attribute_modules(names, process, start, seq, parent, module_sources)
-    steps = detect_steps(names, start, dur, parent, root_inputs)
+    steps = detect_steps(names, start, dur, parent, root_inputs, whole_fallback=whole_fallback)
     if first_step and not any(s.kind == "profiler_step" for s in steps):
         steps = [dataclasses.replace(s, step=s.step + first_step) for s in steps]
     step_of = np.asarray(assign_steps(start, steps), dtype=object)
