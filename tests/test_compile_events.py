@@ -118,7 +118,7 @@ def compile_records() -> list[tuple[dict[str, Any], str | None]]:
     return recs
 
 
-def run_builder(records: Sequence[tuple[dict[str, Any], str | None]], run_id: str = "r") -> list[Any]:
+def run_builder(
     records: Sequence[tuple[dict[str, Any], str | None]], run_id: str = "r"
 ) -> list[CompileEvent]:
     b = CompileEventBuilder(run_id)
@@ -139,7 +139,7 @@ def test_compile_recompile_graph_break_and_caches() -> None:
     kinds = [e.kind for e in events]
     assert kinds == ["graph_break", "cache", "cache", "compile", "cache", "recompile"]
     assert [e.seq for e in events] == list(range(6))
-    assert (gb.reason or "").startswith("Failed to trace builtin operator: Dynamo does not know how to trace")
+    gb = events[0]
     assert (gb.file, gb.line, gb.function) == ("/w/demo.py", 16, "f")
     assert (gb.reason or "").startswith(
         "Failed to trace builtin operator: Dynamo does not know how to trace builtin"
