@@ -71,6 +71,19 @@ def first_divergence_fields(first: dict[str, Any], run: dict[str, Any]) -> list[
     return [{"field": k, "value": str(v)} for k, v in fields]
 
 
+def first_divergence_card(fields: dict[str, str]) -> str:
+    """The first divergence as aligned plain-text lines (shown in a code block: full text, never Markdown)."""
+    return "\n".join(
+        [
+            f"op      {fields['op']}   ({fields['phase']}, seq {fields['seq']})",
+            f"module  {fields['module']}",
+            f"source  {fields['source']}",
+            f"dtype   {fields['dtype']} · max abs error {fields['max abs error']}",
+            f"prec.   {fields['precision']}",
+        ]
+    )
+
+
 def render(s: Store) -> None:
     rid = current_run(s)
     if rid is None:
@@ -104,8 +117,13 @@ def render(s: Store) -> None:
 
     first = view.first_divergence
     if first:
-        st.error("First divergence")
-        st.dataframe(first_divergence_fields(first, run), hide_index=True, key="nm_first")
+        st.error("First divergence: the earliest op whose output differs from the CPU float64 reference.")
+        fields = {f["field"]: f["value"] for f in first_divergence_fields(first, run)}
+        left, *right = st.columns([3.2, 1, 1.2, 1.2])
+        left.code(first_divergence_card(fields), language=None)
+        right[0].metric("Verdict", fields["verdict"])
+        right[1].metric("Role", fields["role"])
+        right[2].metric("Normalised error", fields["normalised error"])
     else:
         st.success(
             "No divergent op: every checked output matched the CPU float64 reference within tolerance."

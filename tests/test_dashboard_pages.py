@@ -130,17 +130,21 @@ def test_numerics_page(rich: RichStore, monkeypatch: pytest.MonkeyPatch) -> None
     assert m["Ops seen"] == fmt_num(len(rich.base.ops))
     assert m["Ops checked"] == fmt_num(sum(1 for o in rich.base.ops if o.checked))
     assert m["Divergent ops"] == "2" and m["Originators"] == "1"
-    first = {r["field"]: r["value"] for r in frame(at, "nm_first")}
-    assert (first["op"], first["seq"], first["role"]) == ("aten::tanh", "17", "originator")
-    assert first["module"] == "encoder.layer0.mlp" and first["source"] == "model.py:117"
+    assert (m["Role"], m["Verdict"], m["Normalised error"]) == ("originator", "fail", "25,000")
+    card = at.code[0].value.splitlines()
+    assert card[0].split() == ["op", "aten::tanh", "(forward,", "seq", "17)"]
+    assert card[1].split() == ["module", "encoder.layer0.mlp"] and card[2].split() == [
+        "source",
+        "model.py:117",
+    ]
     spec = charts(at)[0]
     originators = next(t for t in spec["data"] if t.get("name") == "originator")
     assert originators["x"] == [17]
     assert spec["layout"]["yaxis"]["type"] == "log"
-    assert at.code[0].value.endswith(f"{rich.base.run.id} 17")
+    assert at.code[-1].value.endswith(f"{rich.base.run.id} 17")
     at.selectbox(key="nm_op").set_value(19).run()
     assert frame(at, "nm_op_metrics")[0]["role"] == "propagator"
-    assert at.code[0].value.endswith(f"{rich.base.run.id} 19")
+    assert at.code[-1].value.endswith(f"{rich.base.run.id} 19")
 
 
 def test_numerics_page_clean_and_absent(rich: RichStore, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,6 +45,8 @@ def check_port(host: str, port: int) -> None:
         raise UsageError(f"--port must be between 1 and 65535 (or 0 for any free port), not {port}")
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # As the server will: a port left in TIME_WAIT by a previous dashboard is free, a listener is not.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
     except OSError as err:
         if err.errno in (98, 48):  # EADDRINUSE on Linux, macOS
