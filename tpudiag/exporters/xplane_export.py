@@ -18,13 +18,19 @@ memory, device capabilities), so the plugin shows more for them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from tpudiag.exporters import ExportOptions, Progress, atomic_file, safe_name
+from tpudiag.exporters.xline_encoding import StatColumn, encode_line_events
 from tpudiag.store import Store
 from tpudiag.store import export_queries as q
 from tpudiag.store.queries import HOST_OP_CATEGORIES
@@ -34,6 +40,7 @@ HOST_PLANE = "/host:CPU"
 HOST_PLANE_ID = 0
 XLA_OPS_LINE = "XLA Ops"
 STEPS_LINE = "Steps"
+_KEY_COLUMNS = ("name", "module", "category", "on_device", "hlo_category", "framework_op", "args")
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_.\-/]")
 _TYPE_BAD = re.compile(r"[^A-Za-z0-9_]")
 
@@ -126,47 +133,82 @@ class _SpaceWriter:
         self._symbols[key] = mid
         return mid
 
-    def add_batch(self, cols: dict[str, list[Any]], multi_process: bool, progress: Progress) -> None:
-        n = len(cols["event_id"])
-        origin = self.origin_ns
-        current: tuple[bool, str, str] | None = None
-        plane = line = None
-        for i in range(n):
-            on_device, process, thread = bool(cols["on_device"][i]), cols["process"][i], cols["thread"][i]
-            if (on_device, process, thread) != current:
-                current = (on_device, process, thread)
-                plane, line = self.line(on_device, process, thread, multi_process)
-            assert plane is not None and line is not None
-            name = cols["name"][i]
-            offset_ps = (cols["start_ns"][i] - origin) * 1000
-            duration_ps = cols["dur_ns"][i] * 1000
-            stats: dict[str, xp.StatValue] = {}
-            if not on_device and cols["category"][i] in HOST_OP_CATEGORIES:
-                module = cols["module"][i]
-                mkey = (name, module)
-                mid = self._op_meta.get(mkey)
-                if mid is None:
-                    meta_name, _ = framework_op_name(name, module)
-                    mid = plane.event_metadata(meta_name, name)
-                    self._op_meta[mkey] = mid
-                stats["is_eager"] = 1
-                verdict = self.verdicts.get(mkey)
+    def _metadata_id(self, plane: xp.PlaneBuilder, line_name: str, row: dict[str, Any]) -> int:
+        """Event metadata of one (name, module, category, on_device) key on ``plane``."""
+        name, module = row["name"], row["module"]
+        if not row["on_device"] and row["category"] in HOST_OP_CATEGORIES:
+            mkey = (name, module)
+            mid = self._op_meta.get(mkey)
+            if mid is None:
+                mid = plane.event_metadata(framework_op_name(name, module)[0], name)
+                self._op_meta[mkey] = mid
+            return mid
+        if row["on_device"] and (line_name == XLA_OPS_LINE or row["category"] == "xla_op"):
+            return self._xla_op_metadata(plane, name, row)
+        return plane.event_metadata(name)
+
+    def add_batch(self, batch: pa.RecordBatch, multi_process: bool, progress: Progress) -> None:
+        """Append a batch of events (ordered by track, then time) to their lines, encoded with numpy."""
+        n = batch.num_rows
+        col = {name: batch.column(name) for name in batch.schema.names}
+        track = pc.binary_join_element_wise(
+            pc.cast(col["on_device"], pa.string()), col["process"], col["thread"], "\x1f"
+        )
+        same = pc.equal(track.slice(1), track.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+        cuts = np.flatnonzero(~same) + 1
+        bounds = [0, *cuts.tolist(), n]
+        module = pc.fill_null(col["module"], "\x00")
+        device = pc.cast(col["on_device"], pa.string())
+        key = pc.binary_join_element_wise(
+            col["name"], module, col["category"], device, "\x1f"
+        ).dictionary_encode()
+        key_idx = key.indices.to_numpy()
+        offset_ps = (col["start_ns"].to_numpy() - self.origin_ns) * 1000
+        duration_ps = np.maximum(col["dur_ns"].to_numpy(), 0) * 1000
+        shapes = col["shapes"].dictionary_encode()
+        shape_idx = pc.fill_null(shapes.indices, -1).to_numpy()
+        corr_valid = col["correlation"].is_valid().to_numpy(zero_copy_only=False)
+        corr = pc.fill_null(col["correlation"], 0).to_numpy()
+        flops_valid = col["flops"].is_valid().to_numpy(zero_copy_only=False)
+        flops = pc.fill_null(col["flops"], 0.0).to_numpy()
+        for a, b in itertools.pairwise(bounds):
+            first = {name: col[name][a].as_py() for name in ("on_device", "process", "thread")}
+            plane, line = self.line(
+                bool(first["on_device"]), first["process"], first["thread"], multi_process
+            )
+            seg = key_idx[a:b]
+            uniq, first_rows = np.unique(seg, return_index=True)
+            mids = np.zeros(len(key.dictionary), dtype=np.int64)
+            is_op = np.zeros(len(key.dictionary), dtype=bool)
+            verdict_ref = np.zeros(len(key.dictionary), dtype=np.int64)
+            for u, r in zip(uniq.tolist(), first_rows.tolist(), strict=True):
+                row = {k: col[k][a + r].as_py() for k in _KEY_COLUMNS}
+                mids[u] = self._metadata_id(plane, line.name, row)
+                is_op[u] = not row["on_device"] and row["category"] in HOST_OP_CATEGORIES
+                verdict = self.verdicts.get((row["name"], row["module"])) if is_op[u] else None
                 if verdict is not None:
-                    stats["numerics_verdict"] = verdict
-                self.ops += 1
-            elif on_device and (line.name == XLA_OPS_LINE or cols["category"][i] == "xla_op"):
-                mid = self._xla_op_metadata(
-                    plane, name, {k: cols[k][i] for k in ("hlo_category", "framework_op", "args")}
+                    verdict_ref[u] = plane.stat_id(verdict)
+            stats = []
+            op_mask = is_op[seg]
+            if op_mask.any():
+                stats.append(StatColumn(plane.stat_id("is_eager"), "int", np.ones(b - a, np.int64), op_mask))
+                self.ops += int(op_mask.sum())
+            seg_verdict = verdict_ref[seg]
+            if seg_verdict.any():
+                stats.append(
+                    StatColumn(plane.stat_id("numerics_verdict"), "ref", seg_verdict, seg_verdict > 0)
                 )
-            else:
-                mid = plane.event_metadata(name)
-            event = line.events.add(metadata_id=mid, offset_ps=offset_ps, duration_ps=duration_ps)
-            for key, col in (("shapes", "shapes"), ("correlation_id", "correlation"), ("flops", "flops")):
-                value = cols[col][i]
-                if value is not None:
-                    stats[key] = value
-            if stats:
-                plane.add_stats(event.stats, stats)
+            seg_shape = shape_idx[a:b]
+            if (seg_shape >= 0).any():
+                refs = np.zeros(len(shapes.dictionary) + 1, dtype=np.int64)
+                for u in np.unique(seg_shape[seg_shape >= 0]).tolist():
+                    refs[u] = plane.stat_id(shapes.dictionary[u].as_py())
+                stats.append(StatColumn(plane.stat_id("shapes"), "ref", refs[seg_shape], seg_shape >= 0))
+            if corr_valid[a:b].any():
+                stats.append(StatColumn(plane.stat_id("correlation_id"), "int", corr[a:b], corr_valid[a:b]))
+            if flops_valid[a:b].any():
+                stats.append(StatColumn(plane.stat_id("flops"), "double", flops[a:b], flops_valid[a:b]))
+            line.MergeFromString(encode_line_events(mids[seg], offset_ps[a:b], duration_ps[a:b], stats))
         progress.advance(n)
 
     def add_steps(self, steps: list[tuple[int, int, int, int, str]]) -> None:
@@ -225,7 +267,7 @@ class TensorBoardExporter:
                 writer = _SpaceWriter(host, origin if origin is not None else 0, run, verdicts)
                 multi = len({t.process for t in tracks if t.rank == rank and not t.on_device}) > 1
                 for batch in q.iter_rows(q.xplane_event_batches(con, run["id"], rank)):
-                    writer.add_batch(batch.to_pydict(), multi, progress)
+                    writer.add_batch(batch, multi, progress)
                 writer.add_steps([s for s in steps if s[0] == rank])
                 fname = f"{host}.xplane.pb" if ranks == [0] else f"{host}_{rank}.xplane.pb"
                 path = run_dir / fname

@@ -27,7 +27,6 @@ XPLANE_COLUMNS = (
 
 
 _ORDER = {
-    "trace_events": " ORDER BY event_id",
     "ops": " ORDER BY seq",
     "op_diffs": " ORDER BY seq, output_index",
     "compile_events": " ORDER BY seq",
@@ -50,6 +49,7 @@ def table_batches(con: duckdb.DuckDBPyConnection, table: str, run_id: str) -> pa
     """All rows of one table for one run, as an Arrow stream in the store's column order."""
     key = RUN_TABLES[table]
     order = _ORDER.get(table, "")
+    _settle(con)
     rel = con.sql(f'SELECT * FROM "{table}" WHERE "{key}" = ?{order}', params=[run_id])
     reader: pa.RecordBatchReader = rel.to_arrow_reader(BATCH_ROWS)
     return reader
@@ -84,6 +84,7 @@ def xplane_event_batches(con: duckdb.DuckDBPyConnection, run_id: str, rank: int)
     have = _columns(con, "trace_events")
     # A column the store predates (same schema version, older build) reads as NULL.
     cols = ", ".join(f'"{c}"' if c in have else f'NULL AS "{c}"' for c in XPLANE_COLUMNS)
+    _settle(con)
     rel = con.sql(
         f"SELECT {cols} FROM trace_events WHERE run_id = ? AND rank = ? "
         "ORDER BY on_device, process, thread, start_ns, dur_ns DESC, event_id",
@@ -91,6 +92,13 @@ def xplane_event_batches(con: duckdb.DuckDBPyConnection, run_id: str, rank: int)
     )
     reader: pa.RecordBatchReader = rel.to_arrow_reader(BATCH_ROWS)
     return reader
+
+
+def _settle(con: duckdb.DuckDBPyConnection) -> None:
+    """Finish a result another caller left half-read (``fetchone``): DuckDB refuses new queries until then."""
+    complete = getattr(con, "complete", None)
+    if complete is not None:
+        complete()
 
 
 def _columns(con: duckdb.DuckDBPyConnection, table: str) -> set[str]:
@@ -153,23 +161,30 @@ def chrome_event_json(con: duckdb.DuckDBPyConnection, run_id: str, origin_ns: in
     """One JSON text per complete event (``ph: X``), in a column ``j``; pid/tid are the dense track numbers.
 
     ``ts``/``dur`` are microseconds from ``origin_ns`` (the Chrome trace unit), with nanosecond decimals.
+    Text that depends only on (name, category, module), escaping and the numerics verdict included, is built
+    once per distinct key and joined back: escaping a million strings costs more than the join.
     """
-    args = ", ".join(
+    per_event = ", ".join(
         [
-            _field("module", "e.module"),
-            _field("phase", "e.phase"),
             """CASE WHEN e.shapes IS NOT NULL AND json_valid(e.shapes) THEN '"shapes":' || e.shapes END""",
             """CASE WHEN e.dtypes IS NOT NULL AND json_valid(e.dtypes) THEN '"dtypes":' || e.dtypes END""",
+            _field("phase", "e.phase"),
             _field("source_loc", "e.source_loc"),
-            _field("step", "e.step"),
-            _field("self_us", "round(e.self_ns / 1e3, 3)"),
-            _field("seq_nr", "e.seq_nr"),
-            _field("external_id", "e.external_id"),
-            _field("correlation", "e.correlation"),
+            """CASE WHEN e.step IS NOT NULL THEN '"step":' || e.step END""",
+            """'"self_us":' || (e.self_ns::DECIMAL(38, 0) * 0.001)::VARCHAR""",
+            """CASE WHEN e.seq_nr IS NOT NULL THEN '"seq_nr":' || e.seq_nr END""",
+            """CASE WHEN e.external_id IS NOT NULL THEN '"external_id":' || e.external_id END""",
+            """CASE WHEN e.correlation IS NOT NULL THEN '"correlation":' || e.correlation END""",
             _field("framework_op", "e.framework_op"),
             _field("hlo_category", "e.hlo_category"),
             _field("flops", "e.flops"),
             _field("bytes_accessed", "e.bytes_accessed"),
+            "k.key_args",
+        ]
+    )
+    key_args = ", ".join(
+        [
+            _field("module", "k.module"),
             _field("numerics_verdict", "v.verdict"),
             _field("numerics_failed_outputs", "v.failed_outputs"),
             _field("numerics_worst_scaled_error", "v.worst_scaled_error"),
@@ -181,21 +196,26 @@ def chrome_event_json(con: duckdb.DuckDBPyConnection, run_id: str, origin_ns: in
         SELECT rank, process, thread,
                dense_rank() OVER (ORDER BY rank, process) AS pid,
                row_number() OVER (PARTITION BY rank, process ORDER BY thread) AS tid
-        FROM (SELECT DISTINCT rank, process, thread FROM trace_events WHERE run_id = $1)
+        FROM (SELECT DISTINCT rank, process, thread FROM ev)
+    ),
+    keys AS (
+        SELECT k.name, k.category, k.module_key,
+               '"name":' || to_json(k.name) || ',"cat":' || to_json(k.category) AS head,
+               nullif(concat_ws(',', {key_args}), '') AS key_args
+        FROM (SELECT DISTINCT name, category, module, coalesce(module, chr(0)) AS module_key FROM ev) k
+        LEFT JOIN verdicts v ON v.op_name = k.name AND v.op_module IS NOT DISTINCT FROM k.module
+                             AND k.category = 'cpu_op'
     )
-    SELECT '{{"ph":"X","name":' || to_json(e.name) || ',"cat":' || to_json(e.category)
+    SELECT '{{"ph":"X",' || k.head
            || ',"pid":' || t.pid || ',"tid":' || t.tid
-           || ',"ts":' || ((e.start_ns - $2) // 1000)::VARCHAR
-           || '.' || lpad(((e.start_ns - $2) % 1000)::VARCHAR, 3, '0')
-           || ',"dur":' || (e.dur_ns // 1000)::VARCHAR || '.' || lpad((e.dur_ns % 1000)::VARCHAR, 3, '0')
-           || ',"args":{{'
-           || array_to_string(list_filter([{args}], lambda x: x IS NOT NULL), ',') || '}}}}' AS j
+           || ',"ts":' || ((e.start_ns - $2)::DECIMAL(38, 0) * 0.001)::VARCHAR
+           || ',"dur":' || (e.dur_ns::DECIMAL(38, 0) * 0.001)::VARCHAR
+           || ',"args":{{' || concat_ws(',', {per_event}) || '}}}}' AS j
     FROM ev e
     JOIN track t USING (rank, process, thread)
-    LEFT JOIN verdicts v ON v.op_name = e.name AND v.op_module IS NOT DISTINCT FROM e.module
-                         AND e.category = 'cpu_op'
-    ORDER BY e.start_ns, e.event_id
+    JOIN keys k ON k.name = e.name AND k.category = e.category AND k.module_key = coalesce(e.module, chr(0))
     """
+    _settle(con)
     reader: pa.RecordBatchReader = con.sql(sql, params=[run_id, origin_ns]).to_arrow_reader(BATCH_ROWS)
     return reader
 
