@@ -142,17 +142,18 @@ def test_xplane_file_structure(exported: dict[str, Any]) -> None:
     lines = {line.name: line for line in host.lines}
     assert "Steps" in lines
     assert len(lines["Steps"].events) == exported["report"]["steps"]["count"] == 4
+    is_eager = next(k for k, m in host.stat_metadata.items() if m.name == "is_eager")
     ops = [
         (host.event_metadata[e.metadata_id], e)
         for line in host.lines
         for e in line.events
-        if ":" in host.event_metadata[e.metadata_id].name
+        if any(s.metadata_id == is_eager and s.int64_value == 1 for s in e.stats)
     ]
-    assert ops
-    is_eager = next(k for k, m in host.stat_metadata.items() if m.name == "is_eager")
-    for meta, event in ops:
-        assert meta.display_name.startswith("aten::")
-        assert any(s.metadata_id == is_eager and s.int64_value == 1 for s in event.stats)
+    report_ops = {(op["name"], op["module"]) for op in exported["report"]["slow_ops"]}
+    for meta, _event in ops:
+        module = meta.name.split("/")[0] if "/" in meta.name else None
+        assert (meta.display_name, module) in report_ops
+        assert ":" in meta.name
     assert sum(op["calls"] for op in exported["report"]["slow_ops"]) == len(ops)
 
 
@@ -163,6 +164,13 @@ def test_xplane_file_structure(exported: dict[str, Any]) -> None:
         ("aten::_log_softmax", None, ("aten._log_softmax:_log_softmax", "_log_softmax")),
         ("detach", "Model", ("Model/detach:detach", "detach")),
         ("my ns::op(x)", "_orig_mod.h[0]", ("m_orig_mod.h_0_/my_ns.op_x_:op_x_", "op_x_")),
+        (
+            "autograd::engine::evaluate_function: TBackward0",
+            "0",
+            ("0/autograd.engine.evaluate_function.TBackward0:TBackward0", "TBackward0"),
+        ),
+        ("mylib::fusedOp", None, ("mylib.fusedOp:FusedOp", "FusedOp")),
+        ("ProfilerStep#3", None, ("ProfilerStep_3:ProfilerStep_3", "ProfilerStep_3")),
     ],
 )
 def test_framework_op_name(op: str, module: str | None, expected: tuple[str, str]) -> None:

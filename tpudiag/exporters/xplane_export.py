@@ -46,21 +46,28 @@ _TYPE_BAD = re.compile(r"[^A-Za-z0-9_]")
 
 
 def framework_op_name(op: str, module: str | None) -> tuple[str, str]:
-    """(XPlane metadata name ``<module>/<ns>.<op>:<op>``, op type) for a PyTorch op such as ``aten::addmm``.
+    """(XPlane metadata name ``<module>/<ns>.<op>:<Type>``, op type) for a PyTorch op such as ``aten::addmm``.
 
     The namespace separator ``::`` becomes ``.``; characters XProf's op-name grammar rejects become ``_``.
+    XProf accepts an op type that is all lower case (``addmm``) or starts with a capital or ``_``
+    (``TBackward0``) and silently drops the op otherwise (``myOp``, ``evaluate_function_TBackward0``), so
+    autograd nodes (``autograd::engine::evaluate_function: TBackward0``) are typed by their node name.
     """
     ns, _, short = op.rpartition("::")
-    short = _TYPE_BAD.sub("_", short) or "op"
-    if not short[0].isalpha() and short[0] != "_":
-        short = "op_" + short
-    name = f"{_NAME_BAD.sub('_', ns.replace('::', '.'))}.{short}" if ns else short
+    head, sep, node = short.partition(": ")
+    op_type = _TYPE_BAD.sub("_", node if sep else short) or "op"
+    if not op_type.islower() and op_type[0].islower():
+        op_type = op_type[0].upper() + op_type[1:]
+    if not (op_type[0].isalpha() or op_type[0] == "_"):
+        op_type = "Op_" + op_type
+    leaf = _NAME_BAD.sub("_", f"{head}.{node}" if sep else short) or "op"
+    name = f"{_NAME_BAD.sub('_', ns.replace('::', '.'))}.{leaf}" if ns else leaf
     if module:
-        path = _NAME_BAD.sub("_", module.replace(" ", "_"))
+        path = _NAME_BAD.sub("_", module)
         if not path[0].isalnum():
             path = "m" + path
         name = f"{path}/{name}"
-    return f"{name}:{short}", short
+    return f"{name}:{op_type}", op_type
 
 
 def device_plane_name(process: str, index: int, device_kind: str | None) -> str:
