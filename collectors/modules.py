@@ -7,6 +7,7 @@ with its class name.  Hooks do nothing while Dynamo traces, so compiled code is 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -135,7 +136,12 @@ class ModuleTracker:
         src = self._class_sources[cls]
         if src is not None and path not in self.sources:
             self.sources[path] = src
-        token = self._on_enter(path, module, args, {}, is_root) if self._on_enter else None
+        token = None
+        if self._on_enter is not None:
+            try:
+                token = self._on_enter(path, module, args, {}, is_root)
+            except Exception:  # a collector's bookkeeping must never break the user's forward
+                token = None
         stack.append((module, path, token))
 
     def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -146,6 +152,7 @@ class ModuleTracker:
         while stack:
             mod, path, token = stack.pop()
             if self._on_exit is not None:
-                self._on_exit(path, token)
+                with contextlib.suppress(Exception):
+                    self._on_exit(path, token)
             if mod is module:
                 break

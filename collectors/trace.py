@@ -6,8 +6,10 @@
 - a profiler session started by the script itself would crash Kineto if ours kept running (a nested session
   segfaults on torch 2.13), so ours pauses while the script's runs and resumes afterwards, and the run says so.
 
-Each profiler session becomes one Chrome trace file kept in the run folder (``trace/kineto-NNN.json``); at the end
-they are analysed together (nesting, self time, modules, steps) and spooled as trace_events and steps.
+Each profiler session becomes one Chrome trace file kept in the run folder (``trace/kineto-NNN.json``), analysed
+(nesting, self time, modules, steps) and spooled as trace_events and steps.  On long runs the session is rotated at
+an optimizer-step boundary every ``trace_chunk_s`` seconds (default 30), so memory stays bounded and a capture that
+is killed loses at most its last chunk; cutting at a step boundary keeps module ranges and steps whole.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +55,15 @@ class TraceCollector:
         self._chunks: list[Path] = []
         self._tracker: Any = None
         self._root_inputs: list[str | None] = []
+        self._roots_done = 0  # root-forward inputs already consumed by written chunks
+        self._steps_done = 0
+        self._events_done = 0
+        self._session_started = 0.0
+        self._rotate_pending = False
+        self._chunk_s = 30.0
         self._patches: list[tuple[Any, str, Any]] = []
+        self._hooks: list[Any] = []
+        self._main_thread = threading.main_thread()
         self.profiler: Any = None  # the last torch.profiler.profile object (tests read key_averages from it)
 
     # -- plugin protocol --------------------------------------------------------------------------------------
@@ -76,11 +87,14 @@ class TraceCollector:
         if torch.cuda.is_available():
             self._activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._with_stack = bool(ctx.options.get("with_stack"))
+        self._chunk_s = float(ctx.options.get("trace_chunk_s") or os.environ.get("TPUDIAG_TRACE_CHUNK_S") or 30.0)
         record_function = torch.autograd.profiler.record_function
         root_inputs = self._root_inputs
 
         def on_enter(path: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_root: bool) -> Any:
             if is_root:
+                if self._rotate_pending:
+                    self._rotate()
                 root_inputs.append(input_shapes(args, kwargs))
             rf = record_function("module::" + path)
             rf.__enter__()
@@ -90,13 +104,20 @@ class TraceCollector:
             if token is not None:
                 token.__exit__(None, None, None)
 
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
         self._tracker = ModuleTracker(on_enter, on_exit)
-        self._tracker.install()
-        self._patch_user_sessions()
-        self._start_session()
+        try:
+            self._tracker.install()
+            self._hooks.append(register_optimizer_step_post_hook(self._after_optimizer_step))
+            self._patch_user_sessions()
+            self._start_session()
+        except BaseException:
+            self._uninstall()
+            raise
 
     def flush(self) -> None:
-        """Traces are written per profiler session; nothing to do between sessions."""
+        """Chunks are cut at optimizer-step boundaries (see ``_after_optimizer_step``), not from other threads."""
 
     def stop(self) -> None:
         if self._ctx is None:
@@ -104,20 +125,50 @@ class TraceCollector:
         try:
             self._stop_session()
         finally:
-            self._unpatch()
-            if self._tracker is not None:
-                self._tracker.remove()
+            self._uninstall()
         if self._user_sessions:
             self._ctx.note(
                 f"the script ran its own torch.profiler session {self._user_sessions} time(s); tpudiag's trace "
                 "paused during it (its events are in the script's own trace)"
             )
-        self._write_tables()
+        if self._events_done == 0:
+            self._ctx.note("the trace collector recorded no events")
+        self._ctx.metadata["trace_files"] = [str(p) for p in self._chunks]
 
     # -- profiler sessions ------------------------------------------------------------------------------------
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Ask for a new chunk once the current one is old enough.
+
+        The cut itself waits for the next root-module forward: here the optimizer's own ``Optimizer.step#`` range
+        is still open, and a profiler range that spans two sessions corrupts Kineto's heap (seen on torch 2.13).
+        """
+        if (
+            self._prof is not None
+            and self._ctx is not None
+            and threading.current_thread() is self._main_thread
+            and self._ctx.clock.monotonic() - self._session_started >= self._chunk_s
+        ):
+            self._rotate_pending = True
+
+    def _rotate(self) -> None:
+        # Runs inside the user's forward call: whatever goes wrong here must not reach their script.
+        assert self._ctx is not None
+        self._rotate_pending = False
+        if threading.current_thread() is not self._main_thread or self._prof is None:
+            return
+        try:
+            self._stop_session()
+        except Exception as err:
+            self._ctx.note(f"a trace chunk could not be written ({err}); later chunks continue")
+        try:
+            self._start_session()
+        except Exception as err:
+            self._ctx.note(f"trace stopped early: the profiler failed to restart ({err})")
+
     def _start_session(self) -> None:
         import torch
 
+        assert self._ctx is not None
         self._starting = True
         try:
             prof = torch.profiler.profile(
@@ -128,9 +179,11 @@ class TraceCollector:
             self._starting = False
         self._prof = prof
         self._own_inner = getattr(prof, "profiler", None)
+        self._session_started = self._ctx.clock.monotonic()
         self.profiler = prof
 
     def _stop_session(self) -> None:
+        """Stop the running session, keep its Chrome trace, and spool its analysed events."""
         import torch
 
         prof, self._prof = self._prof, None
@@ -143,6 +196,7 @@ class TraceCollector:
         path = self._trace_dir / f"kineto-{len(self._chunks):03d}.json"
         prof.export_chrome_trace(str(path))
         self._chunks.append(path)
+        self._write_chunk(path)
 
     def _patch_user_sessions(self) -> None:
         from torch.autograd import profiler as autograd_profiler
@@ -170,35 +224,36 @@ class TraceCollector:
         cls._prepare_trace = _prepare_trace
         cls.__exit__ = __exit__
 
-    def _unpatch(self) -> None:
+    def _uninstall(self) -> None:
         for owner, attr, original in self._patches:
             setattr(owner, attr, original)
         self._patches.clear()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._tracker is not None:
+            self._tracker.remove()
 
     # -- output -----------------------------------------------------------------------------------------------
-    def _write_tables(self) -> None:
+    def _write_chunk(self, path: Path) -> None:
         from tpudiag.traces import kineto
 
         assert self._ctx is not None
-        merged: kineto.KinetoTrace | None = None
-        for chunk in self._chunks:
-            part = kineto.load(chunk)
-            if merged is None:
-                merged = part
-                continue
-            for attr in ("process", "thread", "name", "category", "start_ns", "dur_ns", "args"):
-                getattr(merged, attr).extend(getattr(part, attr))
-            merged.process_names.update(part.process_names)
-            merged.thread_names.update(part.thread_names)
-        if merged is None or len(merged) == 0:
-            self._ctx.note("the trace collector recorded no events")
+        trace = kineto.load(path)
+        roots = self._root_inputs[self._roots_done:]
+        self._roots_done = len(self._root_inputs)
+        if len(trace) == 0:
             return
         tables = kineto.to_tables(
-            merged,
+            trace,
             run_id=self._ctx.run_id,
+            first_event_id=self._events_done,
+            first_step=self._steps_done,
+            whole_fallback=self._steps_done == 0,
             module_sources=self._tracker.sources if self._tracker else None,
-            root_inputs=self._root_inputs,
+            root_inputs=roots,
         )
+        self._events_done += len(trace)
+        self._steps_done += len(tables.steps)
         self._ctx.spool.write_table("trace_events", tables.events)
         self._ctx.spool.write_table("steps", kineto.steps_table(tables.steps, self._ctx.run_id))
-        self._ctx.metadata["trace_files"] = [str(p) for p in self._chunks]

@@ -33,7 +33,8 @@ class CaptureOptions:
     db: Path
     name: str | None = None
     collect: list[str] | None = None  # None: every available collector
-    flush_interval_s: float = 10.0
+    # How often spooled parts are loaded into the store while the script runs.
+    flush_interval_s: float = field(default_factory=lambda: float(os.environ.get("TPUDIAG_FLUSH_S", "10")))
     collector_options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -125,7 +126,6 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
             active.append(c)
         except Exception as err:
             ctx.note(f"collector {c.name} failed to start: {err}")
-            _warn(f"collector {c.name} failed to start: {err}")
 
     flusher = _Flusher(store, run_id, spool, active, options.flush_interval_s)
     flusher.start()
@@ -139,7 +139,6 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
             c.stop()
         except Exception as err:
             ctx.note(f"collector {c.name} failed while stopping: {err}")
-            _warn(f"collector {c.name} failed while stopping: {err}")
 
     kind, device_name = environment.device()
     final = dataclasses.replace(

@@ -64,8 +64,9 @@ def _strip_runner_frames(tb: TracebackType | None) -> TracebackType | None:
     here = os.path.dirname(os.path.abspath(__file__))
     runpy_file = os.path.abspath(runpy.__file__)
     while tb is not None:
-        fname = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        if fname.startswith(here + os.sep) or fname == runpy_file or fname.startswith("<frozen runpy"):
+        raw = tb.tb_frame.f_code.co_filename
+        fname = os.path.abspath(raw)
+        if fname.startswith(here + os.sep) or fname == runpy_file or raw.startswith("<frozen runpy"):
             tb = tb.tb_next
             continue
         break

@@ -1,0 +1,256 @@
+"""`tpudiag capture` runs the target exactly as Python would, and stores the run however it ends.
+
+Each test captures a real script in a subprocess, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_tpudiag
+
+NO_COLLECTORS = ("--collect", "none")
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _runs(db: Path, cwd: Path) -> list[dict]:
+    out = run_tpudiag("runs", "--json", "--db", str(db), cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_script_sees_argv_path_main_and_stdin_as_with_python(tmp_path: Path, db: Path) -> None:
+    proj = tmp_path / "proj"
+    _write(proj / "helper.py", "VALUE = 41\n")
+    script = _write(
+        proj / "main.py",
+        """
+        import json, os, sys
+        import helper
+        data = sys.stdin.read()
+        print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__,
+                          "value": helper.VALUE + 1, "stdin": data, "file": __file__}))
+        print("to stderr", file=sys.stderr)
+        """,
+    )
+    args = ["scripts/x", "--name", "not-tpudiag's", "-m", "also-the-script's"]
+    out = run_tpudiag("capture", "--db", str(db), *NO_COLLECTORS, str(script), *args, cwd=tmp_path,
+                      input="hello stdin")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    direct = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, input="hello stdin",
+                            capture_output=True, text=True)
+    assert got == json.loads(direct.stdout.strip().splitlines()[-1])
+    assert got["argv"] == [str(script), *args]
+    assert got["name"] == "__main__" and got["value"] == 42 and got["stdin"] == "hello stdin"
+    assert out.stderr.startswith("to stderr\n")
+    assert "stored in" in out.stderr.strip().splitlines()[-1]
+    (run,) = _runs(db, tmp_path)
+    assert run["name"] == "main" and run["argv"] == args and run["status"] == "ok" and run["exit_code"] == 0
+
+
+def test_module_mode_with_relative_imports(tmp_path: Path, db: Path) -> None:
+    _write(tmp_path / "pkg" / "__init__.py", "")
+    _write(tmp_path / "pkg" / "util.py", "def double(x):\n    return 2 * x\n")
+    _write(
+        tmp_path / "pkg" / "tool.py",
+        """
+        import sys
+        from .util import double
+        if __name__ == "__main__":
+            print(double(int(sys.argv[1])), sys.argv[0].endswith("tool.py"), __spec__.name)
+        """,
+    )
+    out = run_tpudiag("capture", "--db", str(db), "--name", "mod-run", *NO_COLLECTORS, "-m", "pkg.tool", "21",
+                      cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["42", "True", "pkg.tool"]
+    (run,) = _runs(db, tmp_path)
+    assert run["name"] == "mod-run" and run["script"] == "-m pkg.tool" and run["argv"] == ["21"]
+
+
+@pytest.mark.parametrize("code", [0, 3, 255])
+def test_exit_status_is_the_scripts(tmp_path: Path, db: Path, code: int) -> None:
+    script = _write(tmp_path / "exit.py", f"import sys\nsys.exit({code})\n")
+    out = run_tpudiag("capture", "--db", str(db), *NO_COLLECTORS, str(script), cwd=tmp_path)
+    assert out.returncode == code
+    (run,) = _runs(db, tmp_path)
+    assert run["exit_code"] == code
+    assert run["status"] == ("ok" if code == 0 else "failed")
+
+
+def test_uncaught_exception_prints_the_scripts_traceback_and_exits_1(tmp_path: Path, db: Path) -> None:
+    script = _write(
+        tmp_path / "boom.py",
+        """
+        def inner():
+            raise ValueError("boom from the script")
+        print("before")
+        inner()
+        """,
+    )
+    out = run_tpudiag("capture", "--db", str(db), *NO_COLLECTORS, str(script), cwd=tmp_path)
+    direct = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 1 == direct.returncode
+    assert out.stdout == "before\n"
+    # The traceback is the one Python prints: same frames, nothing of tpudiag or runpy.
+    ours = out.stderr.split("tpudiag: ")[0]
+    assert ours == direct.stderr
+    (run,) = _runs(db, tmp_path)
+    assert run["status"] == "failed" and run["exit_code"] == 1
+    assert any("ValueError: boom from the script" in n for n in run["notes"])
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signals_give_130_and_143_and_the_run_is_stored_interrupted(
+    tmp_path: Path, db: Path, sig: signal.Signals, code: int
+) -> None:
+    script = _write(
+        tmp_path / "wait.py",
+        """
+        import time
+        print("ready", flush=True)
+        time.sleep(60)
+        """,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), *NO_COLLECTORS, str(script)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    (run,) = _runs(db, tmp_path)
+    assert run["status"] == "interrupted" and run["exit_code"] == code
+
+
+def test_sigkill_leaves_a_run_that_is_later_marked_interrupted_with_its_flushed_data(
+    tmp_path: Path, db: Path
+) -> None:
+    """The store survives a SIGKILL; spooled data flushed before the kill is kept."""
+    script = _write(
+        tmp_path / "train.py",
+        """
+        import time, torch
+        m = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(3):
+            m(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            time.sleep(0.2)
+        print("ready", flush=True)
+        time.sleep(120)
+        """,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), "--collect", "trace", str(script)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TPUDIAG_TRACE_CHUNK_S": "0.1", "TPUDIAG_FLUSH_S": "0.2"},
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(1.5)  # let the flusher load the chunks written at each optimizer step
+    (running,) = _runs(db, tmp_path)
+    assert running["status"] == "running"
+    proc.kill()
+    proc.wait(timeout=30)
+    (run,) = _runs(db, tmp_path)
+    assert run["status"] == "interrupted"
+    assert run["id"] == running["id"]
+    report = run_tpudiag("report", "--db", str(db), "--json", cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    data = json.loads(report.stdout)
+    assert data["run"]["status"] == "interrupted"
+    # The chunks cut at the three optimizer steps were flushed before the kill: their ops and steps are there.
+    names = {op["name"] for op in data["slow_ops"]}
+    assert {"aten::addmm", "aten::sum"} <= names
+    assert data["steps"]["count"] == 3
+
+
+def test_concurrent_captures_all_land_and_a_reader_works_meanwhile(tmp_path: Path, db: Path) -> None:
+    script = _write(
+        tmp_path / "job.py",
+        """
+        import sys, time
+        print("ready", flush=True)
+        time.sleep(float(sys.argv[2]))
+        """,
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), "--name", f"job{i}", *NO_COLLECTORS,
+             str(script), str(i), "2"],
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(4)
+    ]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    # While all four run, a reader sees them.
+    t0 = time.monotonic()
+    during = _runs(db, tmp_path)
+    assert time.monotonic() - t0 < 30
+    assert sorted(r["name"] for r in during) == ["job0", "job1", "job2", "job3"]
+    assert {r["status"] for r in during} == {"running"}
+    for p in procs:
+        p.communicate(timeout=120)
+        assert p.returncode == 0
+    after = _runs(db, tmp_path)
+    assert sorted(r["name"] for r in after) == ["job0", "job1", "job2", "job3"]
+    assert {r["status"] for r in after} == {"ok"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["capture", "missing.py"], "can't open file 'missing.py'"),
+        (["capture", "-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
+        (["capture", "--collect", "trace,bogus", "s.py"], "unknown collector bogus"),
+        (["capture"], "capture needs a script"),
+        (["report", "nosuchrun"], "no run 'nosuchrun'"),
+        (["capture", "--db", "DIR", "s.py"], "is a directory"),
+        (["runs", "--db", "CORRUPT"], "not a tpudiag store"),
+        (["report", "--db", "CORRUPT"], "not a tpudiag store"),
+        (["runs", "--db", "MISSING"], "no store at"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_nonzero(tmp_path: Path, db: Path, args: list[str], message: str) -> None:
+    _write(tmp_path / "s.py", "print('ran')\n")
+    (tmp_path / "DIR").mkdir()
+    (tmp_path / "CORRUPT").write_bytes(b"\x00garbage" * 512)
+    if args[0] == "report" and "--db" not in args:
+        ok = run_tpudiag("capture", "--db", str(db), *NO_COLLECTORS, "s.py", cwd=tmp_path)
+        assert ok.returncode == 0
+    if "--db" not in args:
+        args = [args[0], "--db", str(db), *args[1:]]
+    out = run_tpudiag(*args, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) <= 2 and message in lines[-1], out.stderr
+    assert "ran" not in out.stdout  # the script never started
+    assert (tmp_path / "CORRUPT").read_bytes() == b"\x00garbage" * 512
+
+
+def test_tpudiag_db_environment_variable_selects_the_store(tmp_path: Path) -> None:
+    _write(tmp_path / "s.py", "pass\n")
+    target = tmp_path / "via-env.duckdb"
+    out = run_tpudiag("capture", *NO_COLLECTORS, "s.py", cwd=tmp_path, env={"TPUDIAG_DB": str(target)})
+    assert out.returncode == 0, out.stderr
+    assert target.exists() and not (tmp_path / "tpudiag.duckdb").exists()
