@@ -195,6 +195,7 @@ EXTRA_COMMANDS: list[str] = [
     "tpudiag.commands.import_cmd:register",
     "tpudiag.commands.export:register",
     "tpudiag.commands.dashboard:register",
+    "tpudiag.commands.repro:register",
 ]
 
 

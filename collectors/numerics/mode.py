@@ -12,6 +12,7 @@ code compiles exactly as without tpudiag; at run time the mode sees only the ate
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpudiag.analysis.numerics_metrics import OutputMetrics, compare, dtype_name, is_discrete
-from tpudiag.analysis.verdict import DIVERGENT, Evidence, Verdict, decide, role
+from tpudiag.analysis.verdict import DIVERGENT, Evidence, Verdict, decide, eps_of, role
 from tpudiag.collectors.numerics import oracle
 from tpudiag.collectors.numerics.oracle import OpPlan
 from tpudiag.collectors.numerics.records import Recorder, describe_inputs
@@ -32,7 +33,9 @@ from tpudiag.collectors.numerics.sampling import Budget, Sampler, SamplingOption
 from tpudiag.collectors.numerics.shadow import ShadowStream
 from tpudiag.model import OpDiff, OpRecord
 
-DEFAULT_SIZE_CAP = 1 << 24  # elements per op (inputs and outputs): larger calls are skipped as "size_cap"
+DEFAULT_SIZE_CAP = 1 << 24
+# Kinds whose outputs combine terms, so cancellation can make a correct result tiny against its rounding error.
+CANCELLING_KINDS = ("reduction", "matmul", "normalization", "elementwise", "special")  # elements per op (inputs and outputs): larger calls are skipped as "size_cap"
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIRS = tuple(
@@ -297,6 +300,15 @@ class NumericsMode(TorchDispatchMode):
                           nonfinite_mismatch=m.nonfinite_mismatch, mismatch_rate=m.mismatch_rate,
                           reduction_len=red_len)
             verdict = decide(ev)
+            if verdict.verdict == "fail" and plan.kind in CANCELLING_KINDS and m.max_abs is not None:
+                # Cancellation: a sum's rounding error is bounded by eps x the sum of the magnitudes of its terms,
+                # not by its (possibly tiny) result.  Re-scale by the op run on the inputs' absolute values.
+                bound = self._magnitude(func, plan, src_args, src_kwargs, i)
+                if bound is not None and m.scale is not None and bound > m.scale:
+                    rescaled = m.max_abs / (eps_of(m.dtype) * bound)
+                    m = dataclasses.replace(m, scaled_error=rescaled, scale=bound)
+                    ev = dataclasses.replace(ev, scaled_error=rescaled)
+                    verdict = decide(ev)
             emulated: float | None = None
             if verdict.verdict == "fail" and plan.kind == "matmul" and m.dtype == "float32" and self.ctx.emulations:
                 emulated = self._emulated_error(func, plan, src_args, src_kwargs, i, exp_t)
@@ -338,6 +350,22 @@ class NumericsMode(TorchDispatchMode):
             reason = "no_cpu_kernel" if "not implemented for" in text or "NotImplemented" in text else "oracle_error"
             raise _OracleFailed(reason) from None
         return a, k, oracle.targets(plan, a, k, result)
+
+    def _magnitude(self, func: Any, plan: OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   index: int) -> float | None:
+        """max |op(|inputs|)| for output ``index``: the magnitude its rounding errors scale with."""
+
+        def absolute(t: torch.Tensor) -> torch.Tensor | None:
+            return t.detach().abs() if (t.is_floating_point() or t.is_complex()) else None
+
+        try:
+            a, k = oracle.convert(args, kwargs, oracle.float64_of, absolute)
+            res = oracle.targets(plan, a, k, func(*a, **k))
+            value = oracle.as_tensor(res[index]).abs()
+            finite = value[torch.isfinite(value)]
+            return float(finite.max().item()) if finite.numel() else None
+        except Exception:
+            return None
 
     def _emulated_error(self, func: Any, plan: OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any], index: int,
                         expected: torch.Tensor) -> float | None:

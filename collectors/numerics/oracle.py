@@ -50,6 +50,10 @@ TIE_OUTPUTS = {
     "adaptive_max_pool3d": {1}, "fractional_max_pool2d": {1}, "fractional_max_pool3d": {1},
     "_unique2": {1, 2}, "unique_dim": {1, 2}, "unique_consecutive": {1, 2},
 }
+# Ops whose default tolerance (rank cutoff) depends on the input dtype: float64 changes their meaning.
+DTYPE_TOLERANCE_OPS = {"linalg_pinv", "pinverse", "linalg_matrix_rank", "matrix_rank", "linalg_lstsq"}
+# Outputs that are internal workspaces kept for backward (with sentinel values), not results.
+WORKSPACE_OUTPUTS = {"_ctc_loss": {1}}
 # Ops whose result depends on the storage layout of their input (as_strided reads the storage, not the view).
 STORAGE_OPS = {"as_strided", "as_strided_", "as_strided_copy", "as_strided_scatter"}
 
@@ -89,6 +93,8 @@ def plan_for(func: Any) -> OpPlan:
         skip = "uninitialized"
     elif base in NONUNIQUE_OPS:
         skip = "nonunique"
+    elif base in DTYPE_TOLERANCE_OPS:
+        skip = "dtype_tolerance"
     elif is_view and base not in STORAGE_OPS:
         skip = "view"
     elif base in NO_ARITHMETIC:
@@ -97,6 +103,8 @@ def plan_for(func: Any) -> OpPlan:
         skip = "not_aten"
     if base in NONUNIQUE_OUTPUTS:
         skip_outputs.update({i: "nonunique" for i in NONUNIQUE_OUTPUTS[base]})
+    if base in WORKSPACE_OUTPUTS:
+        skip_outputs.update({i: "workspace" for i in WORKSPACE_OUTPUTS[base]})
     if base in TIE_OUTPUTS:
         skip_outputs.update({i: "ties" for i in TIE_OUTPUTS[base]})
     return OpPlan(name, overload, op_kind(name), skip, is_view, bool(written), tuple(written), skip_outputs)

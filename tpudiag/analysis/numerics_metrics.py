@@ -101,7 +101,10 @@ def compare(actual: Any, expected: Any) -> OutputMetrics:
         if actual.is_complex():
             eps = float(torch.finfo(actual.real.dtype).eps)
         tiny = float(torch.finfo(torch.float64).tiny)
-        scaled = max_abs / (eps * max(scale, tiny)) if max_abs > 0 else 0.0
+        # Values below the dtype's normal range cannot be held by it: an error of one smallest normal number is
+        # representation (underflow), not arithmetic, so the scale never drops below tiny(dtype) / eps.
+        floor = float(torch.finfo(actual.real.dtype if actual.is_complex() else actual.dtype).tiny) / eps
+        scaled = max_abs / (eps * max(scale, floor)) if max_abs > 0 else 0.0
         mask = mag > max(REL_MASK_FRACTION * scale, tiny)
         max_rel = float((err[mask] / mag[mask]).max().item()) if bool(mask.any()) else None
         ulp = _ulp(b, dtype)
