@@ -59,7 +59,7 @@ class TraceCollector:
         self._steps_done = 0
         self._events_done = 0
         self._session_started = 0.0
-        self._rotate_pending = False
+        self._step_ended = False
         self._chunk_s = 30.0
         self._patches: list[tuple[Any, str, Any]] = []
         self._hooks: list[Any] = []
@@ -93,7 +93,7 @@ class TraceCollector:
 
         def on_enter(path: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_root: bool) -> Any:
             if is_root:
-                if self._rotate_pending:
+                if self._step_ended and self._chunk_due():
                     self._rotate()
                 root_inputs.append(input_shapes(args, kwargs))
             rf = record_function("module::" + path)
@@ -137,23 +137,25 @@ class TraceCollector:
 
     # -- profiler sessions ------------------------------------------------------------------------------------
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Ask for a new chunk once the current one is old enough.
+        """Mark a step boundary; the chunk is cut at the next root-module forward if it is old enough.
 
-        The cut itself waits for the next root-module forward: here the optimizer's own ``Optimizer.step#`` range
-        is still open, and a profiler range that spans two sessions corrupts Kineto's heap (seen on torch 2.13).
+        Not here: the optimizer's own ``Optimizer.step#`` range is still open, and a profiler range that spans two
+        sessions corrupts Kineto's heap (seen on torch 2.13).
         """
-        if (
+        if threading.current_thread() is self._main_thread:
+            self._step_ended = True
+
+    def _chunk_due(self) -> bool:
+        return (
             self._prof is not None
             and self._ctx is not None
-            and threading.current_thread() is self._main_thread
             and self._ctx.clock.monotonic() - self._session_started >= self._chunk_s
-        ):
-            self._rotate_pending = True
+        )
 
     def _rotate(self) -> None:
         # Runs inside the user's forward call: whatever goes wrong here must not reach their script.
         assert self._ctx is not None
-        self._rotate_pending = False
+        self._step_ended = False
         if threading.current_thread() is not self._main_thread or self._prof is None:
             return
         try:

@@ -154,6 +154,8 @@ def test_sigkill_leaves_a_run_that_is_later_marked_interrupted_with_its_flushed_
             m(torch.randn(4, 8)).sum().backward()
             opt.step()
             time.sleep(0.2)
+        with torch.no_grad():
+            m(torch.randn(1, 8))  # the next forward is where the chunk holding the last step is cut
         print("ready", flush=True)
         time.sleep(120)
         """,

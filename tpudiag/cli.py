@@ -80,7 +80,9 @@ def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
     if args.collect:
         collect = [c.strip() for c in args.collect.split(",") if c.strip()]
         if not collect:
-            raise UsageError("--collect needs at least one collector name")
+            raise UsageError("--collect needs at least one collector name (or 'none')")
+        if collect == ["none"]:
+            collect = []
     collector_options: dict[str, Any] = {"with_stack": args.with_stack}
     for key in ("numerics", "budget", "ops", "modules"):
         value = getattr(args, key, None)
@@ -153,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_db(p)
     p.add_argument("--name", help="name of the run (default: the script's name)")
-    p.add_argument("--collect", help="comma-separated collectors (default: every available one)")
+    p.add_argument("--collect", help="comma-separated collectors, or none (default: every available one)")
     p.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
     p.add_argument(
         "--numerics", metavar="MODE", type=_numerics_mode,

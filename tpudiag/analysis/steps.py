@@ -65,10 +65,17 @@ def detect_steps(
         return []
     roots = root_forwards(names, parent, start_ns)
     root_shapes = {idx: root_inputs[k] for k, idx in enumerate(roots) if k < len(root_inputs)}
+    # The model is the root module that takes the most time; other roots (a loss module, a metric) run beside it
+    # and must neither become steps nor blur the input shapes of a step.
+    root_time: dict[str, int] = {}
+    for idx in roots:
+        root_time[names[idx]] = root_time.get(names[idx], 0) + dur_ns[idx]
+    model_name = max(root_time, key=lambda k: root_time[k]) if root_time else None
+    model_roots = [idx for idx in roots if names[idx] == model_name]
 
     def shapes_in(lo: int, hi: int) -> str | None:
         seen: list[str] = []
-        for idx in roots:
+        for idx in model_roots:
             if lo <= start_ns[idx] < hi and root_shapes.get(idx) and root_shapes[idx] not in seen:
                 seen.append(root_shapes[idx])  # type: ignore[arg-type]
         if not seen:
@@ -111,9 +118,9 @@ def detect_steps(
             prev_end = end
         return spans
 
-    if roots:
+    if model_roots:
         return [
-            StepSpan(k, start_ns[i], dur_ns[i], "forward", root_shapes.get(i)) for k, i in enumerate(roots)
+            StepSpan(k, start_ns[i], dur_ns[i], "forward", root_shapes.get(i)) for k, i in enumerate(model_roots)
         ]
 
     if not whole_fallback:

@@ -114,13 +114,14 @@ class Store:
             con.close()
 
     def _stored_version(self, con: duckdb.DuckDBPyConnection) -> int | None:
+        # fetchall(), not fetchone(): DuckDB 2 refuses the next query while a result is left unfinished.
         has_meta = con.execute(
             "SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'"
-        ).fetchone()
-        if not has_meta or not has_meta[0]:
+        ).fetchall()
+        if not has_meta or not has_meta[0][0]:
             return None
-        row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        return int(row[0]) if row else None
+        rows = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
+        return int(rows[0][0]) if rows else None
 
     def _check_version(self, con: duckdb.DuckDBPyConnection) -> None:
         version = self._stored_version(con)
@@ -140,8 +141,8 @@ class Store:
     def _ensure_schema(self, con: duckdb.DuckDBPyConnection) -> None:
         version = self._stored_version(con)
         if version is None:
-            tables = con.execute("SELECT count(*) FROM information_schema.tables").fetchone()
-            if tables and tables[0]:
+            tables = con.execute("SELECT count(*) FROM information_schema.tables").fetchall()
+            if tables and tables[0][0]:
                 raise StoreError(f"{self.path} is a DuckDB file but not a tpudiag store; refusing to write to it")
             con.execute("BEGIN TRANSACTION")
             for stmt in ddl():
