@@ -121,7 +121,7 @@ def step_breakdown(steps: Sequence[dict[str, Any]], breakdown: Sequence[dict[str
         )
     fig.update_layout(barmode="stack", legend={"orientation": "h", "y": -0.25})
     fig.update_xaxes(title_text="step")
-    fig.update_yaxes(title_text="ms")
+    fig.update_yaxes(title_text="ms per step")
     return _layout(fig, height=380, title="Time per step: top ops' self time and the step's wall time")
 
 
@@ -218,7 +218,9 @@ def error_along_run(
         fig.add_vline(
             x=first_seq, line={"color": "#b00020", "dash": "dot"}, annotation_text="first divergence"
         )
-    fig.update_yaxes(type="log", title_text="normalised error  max|Δ| / (eps · max|ref|)")
+    fig.update_yaxes(
+        type="log", dtick=1, exponentformat="power", title_text="normalised error  max|Δ| / (eps · max|ref|)"
+    )
     fig.update_xaxes(title_text="op sequence")
     fig.update_layout(legend={"orientation": "h", "y": -0.2})
     return _layout(fig, height=380, title="Error along the run")

@@ -38,6 +38,36 @@ def db_option(s: Store) -> str:
     )
 
 
+def store_version(s: Store) -> tuple[int, ...]:
+    """Changes whenever anything writes the store (DuckDB file or WAL): the cache key of every query."""
+    out: list[int] = []
+    for path in (s.path, s.path.with_name(s.path.name + ".wal")):
+        try:
+            st_ = path.stat()
+        except FileNotFoundError:
+            out += [0, 0]
+            continue
+        out += [st_.st_mtime_ns, st_.st_size]
+    return tuple(out)
+
+
+@st.cache_data(max_entries=256, show_spinner=False)
+def _cached(
+    name: str, path: str, version: tuple[int, ...], args: tuple[Any, ...], kwargs: tuple[Any, ...]
+) -> Any:
+    fn: Callable[..., Any] = getattr(q, name)
+    return fn(Store(path, lock_timeout_s=LOCK_TIMEOUT_S), *args, **dict(kwargs))
+
+
+def load(name: str, s: Store, *args: Any, **kwargs: Any) -> Any:
+    """``dashboard_queries.<name>(s, *args, **kwargs)``, cached until the store changes.
+
+    A rerun caused by one widget (pick an op, open a step) then reuses every other query's result, while a
+    capture that lands in the store changes the key, so new data shows on the next interaction.
+    """
+    return _cached(name, str(s.path), store_version(s), args, tuple(sorted(kwargs.items())))
+
+
 # -- formatting ----------------------------------------------------------------------------------------------
 def fmt_ns(ns: float | int | None) -> str:
     if ns is None or (isinstance(ns, float) and math.isnan(ns)):
@@ -79,7 +109,7 @@ def sidebar(s: Store) -> list[dict[str, Any]]:
     if not s.exists():
         return []
     try:
-        choices = q.list_run_choices(s)
+        choices: list[dict[str, Any]] = load("list_run_choices", s)
     except TpudiagError as err:
         st.sidebar.warning("The store cannot be read right now.")
         st.sidebar.text(str(err))
@@ -124,7 +154,7 @@ def current_run(s: Store, choices: list[dict[str, Any]] | None = None) -> str | 
     rid = selected_run_id()
     if rid is None:
         if choices is None and s.exists():
-            choices = q.list_run_choices(s)
+            choices = load("list_run_choices", s)
         if not choices:
             empty_store(s)
             return None

@@ -8,9 +8,8 @@ from typing import Any
 import streamlit as st
 
 from tpudiag.app import charts
-from tpudiag.app.common import RUN_KEY, empty_store, fmt_ns, fmt_num, guarded, run_label
+from tpudiag.app.common import RUN_KEY, empty_store, fmt_ns, fmt_num, guarded, load, run_label
 from tpudiag.store import Store
-from tpudiag.store import dashboard_queries as q
 
 
 def side_by_side(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, str]]:
@@ -38,7 +37,7 @@ def side_by_side(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, str]]:
 
 def render(s: Store) -> None:
     st.header("Compare")
-    choices = q.list_run_choices(s) if s.exists() else []
+    choices = load("list_run_choices", s) if s.exists() else []
     if not choices:
         empty_store(s)
         return
@@ -58,7 +57,7 @@ def render(s: Store) -> None:
     if run_a == run_b:
         st.warning("Pick two different runs.")
         return
-    view = q.load_compare(s, run_a, run_b)
+    view = load("load_compare", s, run_a, run_b)
     st.dataframe(side_by_side(view.runs["a"], view.runs["b"]), hide_index=True, key="cmp_summary")
     if view.runs["a"].get("time_source") != view.runs["b"].get("time_source"):
         st.warning("One run has device times and the other host times: op times are not directly comparable.")

@@ -7,7 +7,7 @@ from typing import Any
 import streamlit as st
 
 from tpudiag.app import charts
-from tpudiag.app.common import current_run, fmt_num, guarded, not_captured, run_heading
+from tpudiag.app.common import current_run, fmt_num, guarded, load, not_captured, run_heading
 from tpudiag.store import Store, queries
 from tpudiag.store import dashboard_queries as q
 
@@ -52,7 +52,7 @@ def render(s: Store) -> None:
         return
     run = queries.resolve_run(s, rid)
     run_heading("Compile", run)
-    all_kinds = q.load_compile(s, rid, limit=0)
+    all_kinds = load("load_compile", s, rid, limit=0)
     if not all_kinds.kinds:
         not_captured("compile or cache events", s, "compile", run)
         return
@@ -66,7 +66,7 @@ def render(s: Store) -> None:
     m[5].metric("Cache hit rate", "–" if h["hit_rate"] is None else f"{100 * h['hit_rate']:.1f} %")
     kinds = [r["kind"] for r in all_kinds.kinds]
     chosen = st.multiselect("Event kinds on the timeline", kinds, default=kinds, key="cp_kinds")
-    view = q.load_compile(s, rid, kinds=chosen or kinds)
+    view = load("load_compile", s, rid, kinds=chosen or kinds)
     left, right = st.columns([2, 1])
     if view.timeline:
         left.plotly_chart(charts.compile_timeline(view.timeline, view.origin_ns), key="cp_timeline")

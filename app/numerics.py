@@ -10,9 +10,8 @@ from typing import Any
 import streamlit as st
 
 from tpudiag.app import charts
-from tpudiag.app.common import current_run, db_option, fmt_num, guarded, not_captured, run_heading
+from tpudiag.app.common import current_run, db_option, fmt_num, guarded, load, not_captured, run_heading
 from tpudiag.store import Store, queries
-from tpudiag.store import dashboard_queries as q
 
 ALL = "(all)"
 METRIC_COLUMNS = (
@@ -90,7 +89,7 @@ def render(s: Store) -> None:
         return
     run = queries.resolve_run(s, rid)
     run_heading("Numerics", run)
-    view = q.load_numerics(s, rid)
+    view = load("load_numerics", s, rid)
     cov = view.coverage
     if not cov.get("ops_seen") and not view.verdicts:
         not_captured("numerics (per-op comparison against CPU float64)", s, "numerics", run)
@@ -119,11 +118,11 @@ def render(s: Store) -> None:
     if first:
         st.error("First divergence: the earliest op whose output differs from the CPU float64 reference.")
         fields = {f["field"]: f["value"] for f in first_divergence_fields(first, run)}
-        left, *right = st.columns([3.2, 1, 1.2, 1.2])
-        left.code(first_divergence_card(fields), language=None)
-        right[0].metric("Verdict", fields["verdict"])
-        right[1].metric("Role", fields["role"])
-        right[2].metric("Normalised error", fields["normalised error"])
+        card, *badges = st.columns([3.2, 1, 1.2, 1.2])
+        card.code(first_divergence_card(fields), language=None)
+        badges[0].metric("Verdict", fields["verdict"])
+        badges[1].metric("Role", fields["role"])
+        badges[2].metric("Normalised error", fields["normalised error"])
     else:
         st.success(
             "No divergent op: every checked output matched the CPU float64 reference within tolerance."
@@ -169,7 +168,7 @@ def render(s: Store) -> None:
 
 
 def _op_detail(s: Store, rid: str, seq: int) -> None:
-    op, diffs = q.load_op_diffs(s, rid, seq)
+    op, diffs = load("load_op_diffs", s, rid, seq)
     if op:
         info = {
             k: op.get(k)

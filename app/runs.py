@@ -8,10 +8,9 @@ from typing import Any
 import streamlit as st
 
 from tpudiag.app import charts
-from tpudiag.app.common import RUN_KEY, empty_store, fmt_ns, guarded
+from tpudiag.app.common import RUN_KEY, empty_store, fmt_ns, guarded, load
 from tpudiag.model import RUN_STATUSES
 from tpudiag.store import Store
-from tpudiag.store import dashboard_queries as q
 
 
 def run_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -57,7 +56,7 @@ def render(s: Store) -> None:
     c1, c2 = st.columns([2, 1])
     search = c1.text_input("Search name, id or script", key="runs_search").strip()
     statuses = c2.multiselect("Status", list(RUN_STATUSES), key="runs_status")
-    view = q.load_runs(s, search or None, statuses or None)
+    view = load("load_runs", s, search or None, statuses or None)
     if not view.total and not search and not statuses:
         empty_store(s)
         return

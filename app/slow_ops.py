@@ -8,11 +8,12 @@ from typing import Any
 import streamlit as st
 
 from tpudiag.app import charts
-from tpudiag.app.common import current_run, fmt_ns, fmt_num, guarded, not_captured, run_heading
+from tpudiag.app.common import current_run, fmt_ns, fmt_num, guarded, load, not_captured, run_heading
 from tpudiag.store import Store, queries
 from tpudiag.store import dashboard_queries as q
 
 ALL = "(all)"
+EAGER_DETAIL_EVENTS = 1_000_000
 GROUP_LABELS = {"op": "op", "op_module": "op and module", "module": "module"}
 
 
@@ -60,18 +61,18 @@ def render(s: Store) -> None:
         return
     run = queries.resolve_run(s, rid)
     run_heading("Slow ops", run)
-    facets = q.load_op_facets(s, rid)
+    facets = load("load_op_facets", s, rid)
     if not facets.events:
         not_captured("op events", s, "trace", run)
         return
     grouping, f, limit = _filters(facets.modules, facets.steps)
-    view = q.load_slow_ops(s, rid, grouping, f, limit)
+    view = load("load_slow_ops", s, rid, grouping, f, limit)
     source = "device" if view.time_source == "device" else "host"
     m = st.columns(5)
     m[0].metric("Time source", f"{source} time")
     m[1].metric("Op self time", fmt_ns(view.totals["self_ns"]))
     m[2].metric("Op events", fmt_num(view.totals["events"]))
-    m[3].metric("Distinct ops", fmt_num(view.totals["names"]))
+    m[3].metric("Modules", fmt_num(sum(1 for r in view.modules if r["module"])))
     m[4].metric("Steps", fmt_num(len(view.steps)))
     if view.time_source == "host":
         st.caption("No device trace in this run: times are host (CPU) self times of aten ops.")
@@ -89,17 +90,26 @@ def render(s: Store) -> None:
     if fig is not None:
         st.subheader("Steps")
         st.plotly_chart(fig, key="so_steps")
+        if view.steps_per_bar > 1:
+            st.caption(
+                f"{len(view.steps)} steps: each bar is the mean of {view.steps_per_bar} consecutive steps."
+            )
         _timeline(s, rid, [r["step"] for r in view.steps], f.step)
     else:
         st.caption("No steps were found in this run's trace.")
 
     st.subheader("Op detail")
     names = [r["name"] for r in view.top if r["name"] is not None] or [
-        r["name"] for r in q.load_slow_ops(s, rid, "op", f, limit).top
+        r["name"] for r in load("load_slow_ops", s, rid, "op", f, limit).top
     ]
     names = list(dict.fromkeys(names))
-    if names:
-        _op_detail(s, rid, st.selectbox("Op", names, key="so_op"), f)
+    if not names:
+        return
+    # On big runs each detail query scans the op's events: open the slowest op only on request.
+    eager = view.totals["events"] <= EAGER_DETAIL_EVENTS
+    op = st.selectbox("Op", names, index=0 if eager else None, placeholder="choose an op", key="so_op")
+    if op is not None:
+        _op_detail(s, rid, op, f)
 
 
 def _timeline(s: Store, rid: str, steps: list[int], preferred: int | None) -> None:
@@ -107,7 +117,7 @@ def _timeline(s: Store, rid: str, steps: list[int], preferred: int | None) -> No
         return
     index = steps.index(preferred) if preferred in steps else 0
     step = st.selectbox("Timeline of step", steps, index=index, key="so_timeline_step")
-    tl = q.load_step_timeline(s, rid, int(step))
+    tl = load("load_step_timeline", s, rid, int(step))
     if tl is None or not tl.events:
         st.caption("No events inside this step.")
         return
@@ -116,7 +126,7 @@ def _timeline(s: Store, rid: str, steps: list[int], preferred: int | None) -> No
 
 
 def _op_detail(s: Store, rid: str, name: str, f: q.OpFilter) -> None:
-    d = q.load_op_detail(s, rid, name, f)
+    d = load("load_op_detail", s, rid, name, f)
     st.text(name)
     m = st.columns(6)
     m[0].metric("Calls", fmt_num(d.summary["calls"]))

@@ -19,6 +19,8 @@ from tpudiag.store.database import Store, decode_run
 from tpudiag.store.queries import DEVICE_OP_CATEGORIES, HOST_OP_CATEGORIES
 
 FAIL_VERDICTS = ("fail", "overflow")
+BREAKDOWN_OPS = 8  # ops stacked in the per-step chart
+MAX_STEP_BARS = 250
 GROUPINGS = ("op", "op_module", "module")
 PHASES = ("forward", "backward")
 
@@ -209,6 +211,7 @@ class SlowOpsView:
     steps: list[dict[str, Any]]
     step_breakdown: list[dict[str, Any]]
     timings: dict[str, float] = field(default_factory=dict)
+    steps_per_bar: int = 1
 
 
 def load_slow_ops(
@@ -224,12 +227,6 @@ def load_slow_ops(
         source, cats = _op_categories(s, run_id)
         base = "FROM trace_events WHERE run_id = ? AND list_contains(?, category)"
         bparams: list[Any] = [run_id, cats]
-        totals = s.one(
-            "totals",
-            f"SELECT count(*) AS events, coalesce(sum(self_ns), 0) AS self_ns, count(DISTINCT name) AS names "
-            f"{base}{cond}",
-            [*bparams, *cparams],
-        )
         keys = {"op": "name", "op_module": "name, module", "module": "module"}[grouping]
         select = {"op": "name, NULL AS module", "op_module": "name, module", "module": "NULL AS name, module"}
         top = s.rows(
@@ -241,30 +238,47 @@ def load_slow_ops(
             """,
             [*bparams, *cparams, limit],
         )
+        # Every module's row (module paths are few): the page's totals are their sums, which saves a scan.
         modules = s.rows(
             "module_tree",
             f"SELECT module, count(*) AS calls, sum(self_ns) AS self_ns {base}{cond} "
-            "GROUP BY module ORDER BY self_ns DESC LIMIT 2000",
+            "GROUP BY module ORDER BY self_ns DESC",
             [*bparams, *cparams],
         )
+        totals = {
+            "events": sum(int(r["calls"]) for r in modules),
+            "self_ns": sum(int(r["self_ns"]) for r in modules),
+        }
         steps = s.rows(
             "steps",
             "SELECT step, start_ns, dur_ns, kind, input_shapes FROM steps WHERE run_id = ? "
             "ORDER BY rank, step LIMIT 5000",
             [run_id],
         )
+        names = (
+            [r["name"] for r in top[:BREAKDOWN_OPS]]
+            if grouping == "op"
+            else [
+                r["name"]
+                for r in s.rows(
+                    "breakdown_names",
+                    f"SELECT name {base}{cond} GROUP BY name ORDER BY sum(self_ns) DESC, name LIMIT ?",
+                    [*bparams, *cparams, BREAKDOWN_OPS],
+                )
+            ]
+        )
+        # Past MAX_STEP_BARS steps, consecutive steps share a bar (mean per step), so the chart stays light.
+        width = max(1, -(-len(steps) // MAX_STEP_BARS))
         breakdown = s.rows(
             "step_breakdown",
             f"""
-            WITH ev AS (SELECT step, name, self_ns {base}{cond} AND step IS NOT NULL),
-            top AS (SELECT name FROM ev GROUP BY name ORDER BY sum(self_ns) DESC, name LIMIT 8)
-            SELECT step, CASE WHEN name IN (SELECT name FROM top) THEN name ELSE '(other ops)' END AS name,
-                   sum(self_ns) AS self_ns
-            FROM ev GROUP BY ALL ORDER BY step, self_ns DESC
+            SELECT min(step) AS step, name, sum(self_ns) / ? AS self_ns
+            {base}{cond} AND step IS NOT NULL AND list_contains(?, name)
+            GROUP BY step // ?, name ORDER BY step, self_ns DESC
             """,
-            [*bparams, *cparams],
+            [width, *bparams, *cparams, names, width],
         )
-        return SlowOpsView(source, totals, top, modules, steps, breakdown, s.timings)
+        return SlowOpsView(source, totals, top, modules, steps, breakdown, s.timings, width)
 
 
 @dataclass
@@ -275,6 +289,7 @@ class OpFacets:
     events: int
     modules: list[str]  # every module path and its ancestors, sorted
     steps: list[int]
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def load_op_facets(store: Store, run_id: str) -> OpFacets:
@@ -299,7 +314,7 @@ def load_op_facets(store: Store, run_id: str) -> OpFacets:
     for r in modules:
         parts = str(r["module"]).split(".")
         paths.update(".".join(parts[: i + 1]) for i in range(len(parts)))
-    return OpFacets(source, int(events), sorted(paths), [int(r["step"]) for r in steps])
+    return OpFacets(source, int(events), sorted(paths), [int(r["step"]) for r in steps], s.timings)
 
 
 @dataclass
