@@ -14,6 +14,7 @@ from tpudiag.store import dashboard_queries as q
 
 ALL = "(all)"
 EAGER_DETAIL_EVENTS = 1_000_000
+DEFAULT_TOP = 25
 GROUP_LABELS = {"op": "op", "op_module": "op and module", "module": "module"}
 
 
@@ -36,6 +37,16 @@ def top_table(
     ]
 
 
+def module_paths(rows: list[dict[str, Any]]) -> list[str]:
+    """Every module path in the roll-up and all its ancestors (``a``, ``a.b`` for ``a.b.c``), sorted."""
+    paths: set[str] = set()
+    for r in rows:
+        if r["module"]:
+            parts = str(r["module"]).split(".")
+            paths.update(".".join(parts[: i + 1]) for i in range(len(parts)))
+    return sorted(paths)
+
+
 def _filters(view_modules: list[str], steps: list[int]) -> tuple[str, q.OpFilter, int]:
     c1, c2, c3, c4, c5, c6 = st.columns([1.2, 1, 1.4, 1.6, 1, 1])
     grouping = c1.selectbox(
@@ -45,7 +56,7 @@ def _filters(view_modules: list[str], steps: list[int]) -> tuple[str, q.OpFilter
     name = c3.text_input("Op name contains", key="so_name").strip()
     module = c4.selectbox("Module (and below)", [ALL, *view_modules], key="so_module")
     step = c5.selectbox("Step", [ALL, *steps], key="so_step")
-    limit = c6.number_input("Top N", min_value=5, max_value=200, value=25, step=5, key="so_top")
+    limit = c6.number_input("Top N", min_value=5, max_value=200, value=DEFAULT_TOP, step=5, key="so_top")
     f = q.OpFilter(
         phase=None if phase == ALL else phase,
         name_contains=name or None,
@@ -61,12 +72,15 @@ def render(s: Store) -> None:
         return
     run = queries.resolve_run(s, rid)
     run_heading("Slow ops", run)
-    facets = load("load_op_facets", s, rid)
-    if not facets.events:
+    # The unfiltered view doubles as the filters' choices (its module roll-up lists every module), so a first
+    # visit costs one set of scans, and later visits with the default filters none (cached).
+    default = load("load_slow_ops", s, rid, "op", q.OpFilter(), DEFAULT_TOP)
+    if not default.totals["events"]:
         not_captured("op events", s, "trace", run)
         return
-    grouping, f, limit = _filters(facets.modules, facets.steps)
-    view = load("load_slow_ops", s, rid, grouping, f, limit)
+    grouping, f, limit = _filters(module_paths(default.modules), [r["step"] for r in default.steps])
+    chosen = (grouping, f, limit) != ("op", q.OpFilter(), DEFAULT_TOP)
+    view = load("load_slow_ops", s, rid, grouping, f, limit) if chosen else default
     source = "device" if view.time_source == "device" else "host"
     m = st.columns(5)
     m[0].metric("Time source", f"{source} time")
@@ -86,14 +100,19 @@ def render(s: Store) -> None:
         right.plotly_chart(tree, key="so_tree")
     st.dataframe(top_table(view.top, int(view.totals["self_ns"]), grouping), hide_index=True, key="so_table")
 
-    fig = charts.step_breakdown(view.steps, view.step_breakdown)
-    if fig is not None:
+    if view.steps:
         st.subheader("Steps")
-        st.plotly_chart(fig, key="so_steps")
-        if view.steps_per_bar > 1:
-            st.caption(
-                f"{len(view.steps)} steps: each bar is the mean of {view.steps_per_bar} consecutive steps."
-            )
+        big = view.totals["events"] > EAGER_DETAIL_EVENTS
+        by_op = st.toggle("Break each step down by op", value=not big, key="so_by_op")
+        rows, per_bar = [], 1
+        if by_op:
+            b = load("load_step_breakdown", s, rid, f, len(view.steps))
+            rows, per_bar = b.rows, b.steps_per_bar
+        fig = charts.step_breakdown(view.steps, rows)
+        if fig is not None:
+            st.plotly_chart(fig, key="so_steps")
+        if per_bar > 1:
+            st.caption(f"{len(view.steps)} steps: each bar is the mean of {per_bar} consecutive steps.")
         _timeline(s, rid, [r["step"] for r in view.steps], f.step)
     else:
         st.caption("No steps were found in this run's trace.")
@@ -105,7 +124,7 @@ def render(s: Store) -> None:
     names = list(dict.fromkeys(names))
     if not names:
         return
-    # On big runs each detail query scans the op's events: open the slowest op only on request.
+    # On big runs each detail query scans the run's events: open the slowest op only on request.
     eager = view.totals["events"] <= EAGER_DETAIL_EVENTS
     op = st.selectbox("Op", names, index=0 if eager else None, placeholder="choose an op", key="so_op")
     if op is not None:

@@ -3,8 +3,9 @@
 Builds a store through the real spool + ingest path (Arrow columns, 1 M rows a part): one run of
 ``TPUDIAG_BENCH_DASH_EVENTS`` events (default 10 M; 1,000 steps, 300 op names, ~200 module paths, two
 threads) beside a small run, so every query must filter by run.  Then measures, warm, the median of five:
-- each query of the slow-ops page (``load_op_facets``, ``load_slow_ops`` for every grouping,
-  ``load_op_detail``, ``load_step_timeline``) and of the runs page;
+- each query of the slow-ops page (``load_slow_ops`` for every grouping and with filters, and, opened on
+  request on a run this big, ``load_step_breakdown``, ``load_op_detail``), ``load_step_timeline`` and the
+  runs page's queries;
 - the slow-ops page run server-side (Streamlit AppTest: every query plus every figure and table);
 - when Debian's chromium is installed, the real thing: ``tpudiag dashboard`` opened in headless Chromium,
   time from navigation until the top-ops chart shows the slowest op's name.
@@ -118,7 +119,6 @@ def query_timings(store: Store, run_id: str, repeats: int = 5) -> dict[str, floa
 
     top_name = q.load_slow_ops(store, run_id, "op", limit=1).top[0]["name"]  # warm-up
     for _ in range(repeats):
-        record("facets", q.load_op_facets(store, run_id).timings)
         for grouping in q.GROUPINGS:
             record(f"slow_ops[{grouping}]", q.load_slow_ops(store, run_id, grouping).timings)
         record(
@@ -127,6 +127,7 @@ def query_timings(store: Store, run_id: str, repeats: int = 5) -> dict[str, floa
                 store, run_id, "op_module", q.OpFilter(phase="backward", module="model.layers.3", step=500)
             ).timings,
         )
+        record("step_breakdown", q.load_step_breakdown(store, run_id, steps=STEPS).timings)
         record("op_detail", q.load_op_detail(store, run_id, top_name).timings)
         timeline = q.load_step_timeline(store, run_id, 500)
         assert timeline is not None
@@ -157,7 +158,8 @@ def apptest_page_s(db: Path, run_id: str) -> dict[str, float]:
 
 
 def browser_page_s(db: Path, run_id: str, slowest: str) -> float | None:
-    """Seconds from navigation until the top-ops chart names the slowest op, in headless Chromium."""
+    """Seconds from clicking "Slow ops" (server started, Runs page open) until the top-ops chart names the
+    slowest op, in headless Chromium; the slow-ops queries are not cached yet at that click."""
     if not CHROMIUM.exists():
         return None
     from playwright.sync_api import sync_playwright
@@ -178,10 +180,10 @@ def browser_page_s(db: Path, run_id: str, slowest: str) -> float | None:
                       "--disable-component-update", "--disable-sync", "--no-first-run"],
             )  # fmt: skip
             page = browser.new_page(viewport={"width": 1500, "height": 1000})
-            page.goto(f"http://127.0.0.1:{port}/")  # warm the server (first script run imports plotly etc.)
+            page.goto(f"http://127.0.0.1:{port}/?run={run_id}")
             page.locator(".js-plotly-plot").first.wait_for(state="attached", timeout=120_000)
             t = time.perf_counter()
-            page.goto(f"http://127.0.0.1:{port}/slow-ops?run={run_id}")
+            page.get_by_role("link", name="Slow ops").click()
             page.locator("svg text", has_text=slowest).first.wait_for(state="attached", timeout=120_000)
             elapsed = time.perf_counter() - t
             browser.close()
@@ -204,8 +206,10 @@ def main() -> dict[str, Any]:
         slowest = q.load_slow_ops(store, run_id, "op", limit=1).top[0]["name"]
         page = apptest_page_s(db, run_id)
         browser_s = browser_page_s(db, run_id, slowest)
-    slow_ops_ms = {k: v for k, v in queries_ms.items() if not k.startswith("runs.")}
+    # The page's own queries: what a visit runs before the user asks for more (breakdown, op detail).
+    slow_ops_ms = {k: v for k, v in queries_ms.items() if k.startswith(("slow_ops[", "step_timeline."))}
     worst = max(slow_ops_ms, key=slow_ops_ms.__getitem__)
+    # Usable = the slow-ops page drawn in a browser after a click, else its server-side run (AppTest).
     usable_s = browser_s if browser_s is not None else page["apptest_first_s"]
     return {
         "events": EVENTS,
@@ -215,7 +219,8 @@ def main() -> dict[str, Any]:
         "worst_slow_ops_query": worst,
         "worst_slow_ops_query_ms": slow_ops_ms[worst],
         **page,
-        "browser_chart_s": browser_s,
+        "browser_slow_ops_click_s": browser_s,
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "targets": {"query_ms": QUERY_TARGET_MS, "page_s": PAGE_TARGET_S},
         "meets_query_target": slow_ops_ms[worst] <= QUERY_TARGET_MS,
         "meets_page_target": usable_s <= PAGE_TARGET_S,

@@ -11,7 +11,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from tests.factories import make_run
-from tests.test_dashboard_fixtures import HOSTILE, RichStore, build_rich_store, expected_top_ops
+from tests.test_dashboard_fixtures import HOSTILE, OP_TIMES, RichStore, build_rich_store, expected_top_ops
 from tpudiag.app.common import fmt_num
 from tpudiag.store import Store
 
@@ -102,6 +102,12 @@ def test_slow_ops_page(rich: RichStore, monkeypatch: pytest.MonkeyPatch) -> None
     assert [r["calls"] for r in frame(at, "so_table")] == [c for _n, c, _t in expected]
     bar = charts(at)[0]["data"][0]
     assert bar["y"][-1] == expected[0][0] and bar["x"][-1] == pytest.approx(expected[0][2] / 1e6)
+
+    steps_chart = next(c for c in charts(at) if c["layout"]["title"]["text"].startswith("Time per step"))
+    bars = [tr for tr in steps_chart["data"] if tr["type"] == "bar"]
+    assert {tr["name"] for tr in bars} == set(OP_TIMES)
+    step0 = sum(tr["y"][0] for tr in bars)
+    assert step0 == pytest.approx(sum(e.self_ns for e in events if e.step == 0) / 1e6)
 
     at.selectbox(key="so_phase").set_value("backward").run()
     backward = [e for e in events if e.phase == "backward"]

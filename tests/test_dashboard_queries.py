@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from tests.factories import make_run
-from tests.test_dashboard_fixtures import HOSTILE, RichStore, build_rich_store, expected_top_ops
+from tests.test_dashboard_fixtures import HOSTILE, MODULES, RichStore, build_rich_store, expected_top_ops
 from tpudiag.app import charts
 from tpudiag.app.common import chart_text, fmt_ns
 from tpudiag.app.compilation import frame_rows, headline
 from tpudiag.app.numerics import first_divergence_fields, repro_command
 from tpudiag.app.runs import run_rows
-from tpudiag.app.slow_ops import top_table
+from tpudiag.app.slow_ops import module_paths, top_table
 from tpudiag.store import Store
 from tpudiag.store import dashboard_queries as q
 
@@ -65,7 +65,7 @@ def test_slow_ops_ranking_and_totals(rich: RichStore) -> None:
     assert "module" not in table[0] and abs(sum(r["share %"] for r in table) - 100.0) < 0.05
     assert [r["step"] for r in view.steps] == [s.step for s in rich.base.steps]
     per_step = {}
-    for r in view.step_breakdown:
+    for r in q.load_step_breakdown(rich.store, rid, steps=len(view.steps)).rows:
         per_step[r["step"]] = per_step.get(r["step"], 0) + r["self_ns"]
     assert per_step == {
         s.step: sum(e.self_ns for e in rich.base.events if e.step == s.step) for s in rich.base.steps
@@ -92,11 +92,10 @@ def test_device_time_source(rich: RichStore) -> None:
     assert [r["name"] for r in view.top] == [n for n, _c, _t in expected_top_ops(rich.cand, device=True)]
 
 
-def test_facets_and_op_detail(rich: RichStore) -> None:
+def test_module_paths_and_op_detail(rich: RichStore) -> None:
     rid = rich.base.run.id
-    facets = q.load_op_facets(rich.store, rid)
-    assert "encoder" in facets.modules and "encoder.layer1.attn" in facets.modules
-    assert facets.steps == [0, 1, 2, 3] and facets.events == len(rich.base.events)
+    paths = module_paths(q.load_slow_ops(rich.store, rid, "op").modules)
+    assert paths == sorted({"encoder", "encoder.layer0", "encoder.layer1", "head", *MODULES})
     mm = [e for e in rich.base.events if e.name == "aten::mm"]
     d = q.load_op_detail(rich.store, rid, "aten::mm")
     assert d.summary["calls"] == len(mm) and d.summary["max_self_ns"] == max(e.self_ns for e in mm)

@@ -209,15 +209,13 @@ class SlowOpsView:
     top: list[dict[str, Any]]
     modules: list[dict[str, Any]]
     steps: list[dict[str, Any]]
-    step_breakdown: list[dict[str, Any]]
     timings: dict[str, float] = field(default_factory=dict)
-    steps_per_bar: int = 1
 
 
 def load_slow_ops(
     store: Store, run_id: str, grouping: str = "op", f: OpFilter | None = None, limit: int = 25
 ) -> SlowOpsView:
-    """Top ops by self time, the module tree, step durations and the top ops' time per step."""
+    """Top ops by self time, every module's self time (whose sums are the totals) and the steps."""
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping must be one of {GROUPINGS}")
     f = f or OpFilter()
@@ -255,66 +253,49 @@ def load_slow_ops(
             "ORDER BY rank, step LIMIT 5000",
             [run_id],
         )
-        names = (
-            [r["name"] for r in top[:BREAKDOWN_OPS]]
-            if grouping == "op"
-            else [
-                r["name"]
-                for r in s.rows(
-                    "breakdown_names",
-                    f"SELECT name {base}{cond} GROUP BY name ORDER BY sum(self_ns) DESC, name LIMIT ?",
-                    [*bparams, *cparams, BREAKDOWN_OPS],
-                )
-            ]
-        )
-        # Past MAX_STEP_BARS steps, consecutive steps share a bar (mean per step), so the chart stays light.
-        width = max(1, -(-len(steps) // MAX_STEP_BARS))
-        breakdown = s.rows(
+        return SlowOpsView(source, totals, top, modules, steps, s.timings)
+
+
+@dataclass
+class StepBreakdown:
+    rows: list[dict[str, Any]]  # step (first of its bar), name, self_ns (mean per step of the bar)
+    steps_per_bar: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def load_step_breakdown(
+    store: Store, run_id: str, f: OpFilter | None = None, steps: int = 0
+) -> StepBreakdown:
+    """The self time of the run's top ops per step.
+
+    Past ``MAX_STEP_BARS`` steps, consecutive steps share a bar (mean per step), so the chart stays light.
+    """
+    f = f or OpFilter()
+    cond, cparams = _filter_sql(f)
+    width = max(1, -(-steps // MAX_STEP_BARS))
+    with store.reader() as con:
+        s = _Session(con)
+        _source, cats = _op_categories(s, run_id)
+        base = "FROM trace_events WHERE run_id = ? AND list_contains(?, category)"
+        params: list[Any] = [run_id, cats, *cparams]
+        names = [
+            r["name"]
+            for r in s.rows(
+                "breakdown_names",
+                f"SELECT name {base}{cond} GROUP BY name ORDER BY sum(self_ns) DESC, name LIMIT ?",
+                [*params, BREAKDOWN_OPS],
+            )
+        ]
+        rows = s.rows(
             "step_breakdown",
             f"""
             SELECT min(step) AS step, name, sum(self_ns) / ? AS self_ns
             {base}{cond} AND step IS NOT NULL AND list_contains(?, name)
             GROUP BY step // ?, name ORDER BY step, self_ns DESC
             """,
-            [width, *bparams, *cparams, names, width],
+            [width, *params, names, width],
         )
-        return SlowOpsView(source, totals, top, modules, steps, breakdown, s.timings, width)
-
-
-@dataclass
-class OpFacets:
-    """What the slow-ops filters can choose from."""
-
-    time_source: str
-    events: int
-    modules: list[str]  # every module path and its ancestors, sorted
-    steps: list[int]
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-def load_op_facets(store: Store, run_id: str) -> OpFacets:
-    with store.reader() as con:
-        s = _Session(con)
-        source, cats = _op_categories(s, run_id)
-        events = s.one(
-            "facet_events",
-            "SELECT count(*) AS n FROM trace_events WHERE run_id = ? AND list_contains(?, category)",
-            [run_id, cats],
-        )["n"]
-        modules = s.rows(
-            "facet_modules",
-            "SELECT DISTINCT module FROM trace_events WHERE run_id = ? AND list_contains(?, category) "
-            "AND module IS NOT NULL LIMIT 5000",
-            [run_id, cats],
-        )
-        steps = s.rows(
-            "facet_steps", "SELECT DISTINCT step FROM steps WHERE run_id = ? ORDER BY step", [run_id]
-        )
-    paths: set[str] = set()
-    for r in modules:
-        parts = str(r["module"]).split(".")
-        paths.update(".".join(parts[: i + 1]) for i in range(len(parts)))
-    return OpFacets(source, int(events), sorted(paths), [int(r["step"]) for r in steps], s.timings)
+        return StepBreakdown(rows, width, s.timings)
 
 
 @dataclass
