@@ -1,20 +1,19 @@
 """Run every benchmark (bench/bench_*.py, each with a ``main() -> dict``) or the ones named on the command line.
 
-    python -m bench.run            # all
-    python -m bench.run capture    # bench/bench_capture.py only
+python -m bench.run            # all
+python -m bench.run capture    # bench/bench_capture.py only
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 
 from bench.common import BENCH_DIR, write_result
 
 
 def main(argv: list[str]) -> int:
-    names = argv or sorted(p.stem[len("bench_"):] for p in BENCH_DIR.glob("bench_*.py"))
+    names = argv or sorted(p.stem[len("bench_") :] for p in BENCH_DIR.glob("bench_*.py"))
     failed = 0
     for name in names:
         module = importlib.import_module(f"bench.bench_{name}")

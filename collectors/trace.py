@@ -173,9 +173,7 @@ class TraceCollector:
         assert self._ctx is not None
         self._starting = True
         try:
-            prof = torch.profiler.profile(
-                activities=self._activities, record_shapes=True, with_stack=self._with_stack
-            )
+            prof = torch.profiler.profile(activities=self._activities, record_shapes=True, with_stack=self._with_stack)
             _quiet_stderr(prof.start)
         finally:
             self._starting = False
@@ -223,8 +221,8 @@ class TraceCollector:
             return result
 
         self._patches = [(cls, "_prepare_trace", orig_prepare), (cls, "__exit__", orig_exit)]
-        cls._prepare_trace = _prepare_trace
-        cls.__exit__ = __exit__
+        cls._prepare_trace = _prepare_trace  # type: ignore[method-assign]
+        cls.__exit__ = __exit__  # type: ignore[method-assign]
 
     def _uninstall(self) -> None:
         for owner, attr, original in self._patches:
@@ -242,7 +240,7 @@ class TraceCollector:
 
         assert self._ctx is not None
         trace = kineto.load(path)
-        roots = self._root_inputs[self._roots_done:]
+        roots = self._root_inputs[self._roots_done :]
         self._roots_done = len(self._root_inputs)
         if len(trace) == 0:
             return

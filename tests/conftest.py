@@ -13,7 +13,10 @@ EXAMPLES = REPO / "examples"
 
 
 def run_tpudiag(
-    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 300,
+    *args: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
     input: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m tpudiag ARGS`` in a subprocess, as a user would."""
@@ -23,7 +26,12 @@ def run_tpudiag(
         full_env.update(env)
     return subprocess.run(
         [sys.executable, "-m", "tpudiag", *args],
-        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, input=input,
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input,
     )
 
 

@@ -55,8 +55,15 @@ def make_event(run_id: str, event_id: int, name: str, start_ns: int, dur_ns: int
 
 
 def make_step(run_id: str, step: int, start_ns: int, dur_ns: int, **kw: Any) -> Step:
-    return Step(run_id=run_id, step=step, start_ns=start_ns, dur_ns=dur_ns, kind=kw.pop("kind", "optimizer"),
-                input_shapes=kw.pop("input_shapes", json.dumps([[4, 8]])), **kw)
+    return Step(
+        run_id=run_id,
+        step=step,
+        start_ns=start_ns,
+        dur_ns=dur_ns,
+        kind=kw.pop("kind", "optimizer"),
+        input_shapes=kw.pop("input_shapes", json.dumps([[4, 8]])),
+        **kw,
+    )
 
 
 def store_with(store: Store, run: Run, tables: dict[type[Any], list[Any]]) -> None:

@@ -48,12 +48,16 @@ def test_script_sees_argv_path_main_and_stdin_as_with_python(tmp_path: Path, db:
         """,
     )
     args = ["scripts/x", "--name", "not-tpudiag's", "-m", "also-the-script's"]
-    out = run_tpudiag("capture", "--db", str(db), *NO_COLLECTORS, str(script), *args, cwd=tmp_path,
-                      input="hello stdin")
+    out = run_tpudiag("capture", "--db", str(db), *NO_COLLECTORS, str(script), *args, cwd=tmp_path, input="hello stdin")
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    direct = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, input="hello stdin",
-                            capture_output=True, text=True)
+    direct = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=tmp_path,
+        input="hello stdin",
+        capture_output=True,
+        text=True,
+    )
     assert got == json.loads(direct.stdout.strip().splitlines()[-1])
     assert got["argv"] == [str(script), *args]
     assert got["name"] == "__main__" and got["value"] == 42 and got["stdin"] == "hello stdin"
@@ -75,8 +79,9 @@ def test_module_mode_with_relative_imports(tmp_path: Path, db: Path) -> None:
             print(double(int(sys.argv[1])), sys.argv[0].endswith("tool.py"), __spec__.name)
         """,
     )
-    out = run_tpudiag("capture", "--db", str(db), "--name", "mod-run", *NO_COLLECTORS, "-m", "pkg.tool", "21",
-                      cwd=tmp_path)
+    out = run_tpudiag(
+        "capture", "--db", str(db), "--name", "mod-run", *NO_COLLECTORS, "-m", "pkg.tool", "21", cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["42", "True", "pkg.tool"]
     (run,) = _runs(db, tmp_path)
@@ -129,7 +134,10 @@ def test_signals_give_130_and_143_and_the_run_is_stored_interrupted(
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), *NO_COLLECTORS, str(script)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
@@ -140,9 +148,7 @@ def test_signals_give_130_and_143_and_the_run_is_stored_interrupted(
     assert run["status"] == "interrupted" and run["exit_code"] == code
 
 
-def test_sigkill_leaves_a_run_that_is_later_marked_interrupted_with_its_flushed_data(
-    tmp_path: Path, db: Path
-) -> None:
+def test_sigkill_leaves_a_run_that_is_later_marked_interrupted_with_its_flushed_data(tmp_path: Path, db: Path) -> None:
     """The store survives a SIGKILL; spooled data flushed before the kill is kept."""
     script = _write(
         tmp_path / "train.py",
@@ -162,7 +168,10 @@ def test_sigkill_leaves_a_run_that_is_later_marked_interrupted_with_its_flushed_
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), "--collect", "trace", str(script)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "TPUDIAG_TRACE_CHUNK_S": "0.1", "TPUDIAG_FLUSH_S": "0.2"},
     )
     assert proc.stdout is not None
@@ -196,9 +205,24 @@ def test_concurrent_captures_all_land_and_a_reader_works_meanwhile(tmp_path: Pat
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), "--name", f"job{i}", *NO_COLLECTORS,
-             str(script), str(i), "2"],
-            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "tpudiag",
+                "capture",
+                "--db",
+                str(db),
+                "--name",
+                f"job{i}",
+                *NO_COLLECTORS,
+                str(script),
+                str(i),
+                "2",
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(4)
     ]

@@ -47,10 +47,13 @@ def test_readme_opens_with_the_demo_and_the_test_command_that_ci_runs() -> None:
     assert blocks[0].startswith("python3 -m venv .venv") and "tpudiag capture examples/" in blocks[0]
     assert "pytest" in blocks[1] and "torch==2.13.0" in blocks[1]
     ci = (REPO / ".ci" / "run").read_text()
-    assert "<!-- test-command -->" in ci and "eval \"$test_cmd\"" in ci
+    assert "<!-- test-command -->" in ci and 'eval "$test_cmd"' in ci
     out = subprocess.run(
         ["bash", "-c", "sed -n '/<!-- test-command -->/,/^```$/p' README.md | sed -n '/^python3 /p'"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.strip() == blocks[1]
 

@@ -16,8 +16,7 @@ from tests.factories import make_event, make_run, make_step, store_with
 from tpudiag.errors import StoreError, StoreLockedError, UnknownRunError
 from tpudiag.model import Step, TraceEvent, records_to_arrow
 from tpudiag.spool import Spool
-from tpudiag.store import SCHEMA_VERSION, Store
-from tpudiag.store import queries
+from tpudiag.store import SCHEMA_VERSION, Store, queries
 
 
 def test_new_store_has_current_schema_version(db: Path) -> None:
@@ -111,7 +110,10 @@ def test_slow_ops_ranks_by_self_time_and_groups_by_module(db: Path) -> None:
     ]
     store_with(store, run, {TraceEvent: ev, Step: [make_step(run.id, 0, 0, 1000)]})
     ops = queries.slow_ops(store, run.id)
-    assert [(o["name"], o["module"], o["calls"]) for o in ops] == [("aten::relu", "act", 1), ("aten::mm", "fc1", 2)]
+    assert [(o["name"], o["module"], o["calls"]) for o in ops] == [
+        ("aten::relu", "act", 1),
+        ("aten::mm", "fc1", 2),
+    ]
     assert ops[1]["self_us"] == pytest.approx(0.17)
     assert ops[1]["total_us"] == pytest.approx(0.2)
     assert all(o["time_source"] == "host" for o in ops)
@@ -171,7 +173,9 @@ def test_sigkill_during_a_write_never_corrupts_the_store(db: Path, tmp_path: Pat
         "        w.register('t', t); w.execute('INSERT INTO trace_events SELECT * FROM t')\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(db)], stdout=subprocess.PIPE, text=True,
+        [sys.executable, str(script), str(db)],
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
     )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"

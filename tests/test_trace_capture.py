@@ -13,8 +13,7 @@ from tests.conftest import EXAMPLES, run_tpudiag
 from tpudiag import report
 from tpudiag.capture import CaptureOptions, capture
 from tpudiag.runner import Target
-from tpudiag.store import Store
-from tpudiag.store import queries
+from tpudiag.store import Store, queries
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +21,19 @@ def example_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """The bundled example captured once through the CLI, as a user would."""
     work = tmp_path_factory.mktemp("example")
     db = work / "store.duckdb"
-    out = run_tpudiag("capture", "--db", str(db), "--collect", "trace", str(EXAMPLES / "train_mlp.py"),
-                      "--epochs", "2", "--batches", "4", cwd=work)
+    out = run_tpudiag(
+        "capture",
+        "--db",
+        str(db),
+        "--collect",
+        "trace",
+        str(EXAMPLES / "train_mlp.py"),
+        "--epochs",
+        "2",
+        "--batches",
+        "4",
+        cwd=work,
+    )
     assert out.returncode == 0, out.stderr
     rep = run_tpudiag("report", "--db", str(db), "--json", "--top", "200", cwd=work)
     assert rep.returncode == 0, rep.stderr
@@ -97,8 +107,9 @@ def test_self_times_agree_with_torch_key_averages(tmp_path: Path) -> None:
 
 def test_a_script_with_its_own_profiler_keeps_working(tmp_path: Path) -> None:
     script = tmp_path / "own_prof.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import json, sys, torch
         from torch.profiler import profile, ProfilerActivity
         m = torch.nn.Linear(16, 16)
@@ -109,7 +120,8 @@ def test_a_script_with_its_own_profiler_keeps_working(tmp_path: Path) -> None:
         m(torch.randn(5, 16)).tanh()
         print(json.dumps(sorted(n for n in names if n.startswith("aten::"))))
         """
-    ))
+        )
+    )
     db = tmp_path / "s.duckdb"
     out = run_tpudiag("capture", "--db", str(db), "--collect", "trace", str(script), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -124,7 +136,7 @@ def test_a_script_with_its_own_profiler_keeps_working(tmp_path: Path) -> None:
 
 
 def test_text_report_lists_slow_ops_and_steps(example_run: tuple[Path, dict]) -> None:
-    db, data = example_run
+    _, data = example_run
     text = report.render_text(data)
     assert text.startswith(f"run {data['run']['id']}")
     assert "slowest ops by self time (host time)" in text

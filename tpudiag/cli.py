@@ -49,7 +49,7 @@ def _split_capture_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         if arg == "-m":
             return own, list(argv[i:])
         if arg == "--":
-            return own, list(argv[i + 1:])
+            return own, list(argv[i + 1 :])
         name = arg.split("=", 1)[0]
         if name in CAPTURE_VALUE_OPTIONS:
             own.append(arg)
@@ -97,8 +97,7 @@ def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
 def cmd_runs(args: argparse.Namespace, rest: list[str]) -> int:
     from tpudiag.report import run_summary
     from tpudiag.report import table as text_table
-    from tpudiag.store import Store
-    from tpudiag.store import queries
+    from tpudiag.store import Store, queries
 
     store = Store(resolve_db_path(args.db))
     store.recover_stale_runs()
@@ -111,8 +110,13 @@ def cmd_runs(args: argparse.Namespace, rest: list[str]) -> int:
         return 0
     rows = [
         [
-            r["id"], r["name"], r["status"], str(r["exit_code"]), r["device_kind"] or "-",
-            f"{r['duration_s']:.2f}" if r["duration_s"] is not None else "-", r["script"] or "-",
+            r["id"],
+            r["name"],
+            r["status"],
+            str(r["exit_code"]),
+            r["device_kind"] or "-",
+            f"{r['duration_s']:.2f}" if r["duration_s"] is not None else "-",
+            r["script"] or "-",
         ]
         for r in runs
     ]
@@ -122,8 +126,7 @@ def cmd_runs(args: argparse.Namespace, rest: list[str]) -> int:
 
 def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
     from tpudiag import report
-    from tpudiag.store import Store
-    from tpudiag.store import queries
+    from tpudiag.store import Store, queries
 
     store = Store(resolve_db_path(args.db))
     store.recover_stale_runs()
@@ -158,19 +161,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collect", help="comma-separated collectors, or none (default: every available one)")
     p.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
     p.add_argument(
-        "--numerics", metavar="MODE", type=_numerics_mode,
+        "--numerics",
+        metavar="MODE",
+        type=_numerics_mode,
         help="which ops the numerics collector checks against the CPU float64 oracle: sample (default: the "
         "first 3 calls of each op/shape/dtype signature), N (the first N calls), all, or off",
     )
     p.add_argument(
-        "--budget", metavar="PCT", type=_percent,
+        "--budget",
+        metavar="PCT",
+        type=_percent,
         help="numerics: spend at most PCT percent extra time on checking (e.g. 20); later ops are skipped",
     )
     p.add_argument(
-        "--ops", metavar="PATTERNS", help="numerics: check only these ops (comma-separated, e.g. mm,tanh,*norm*)"
+        "--ops",
+        metavar="PATTERNS",
+        help="numerics: check only these ops (comma-separated, e.g. mm,tanh,*norm*)",
     )
     p.add_argument(
-        "--modules", metavar="PATTERNS",
+        "--modules",
+        metavar="PATTERNS",
         help="numerics: check only ops inside these modules (comma-separated paths or globs, e.g. transformer.h.0)",
     )
     p.set_defaults(func=cmd_capture)

@@ -15,7 +15,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ENV_PREFIXES = ("TORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TPU_", "XLA_", "PJRT_", "LIBTPU_", "CUDA_", "NVIDIA_TF32")
+ENV_PREFIXES = (
+    "TORCH_",
+    "TORCHINDUCTOR_",
+    "TORCHDYNAMO_",
+    "TPU_",
+    "XLA_",
+    "PJRT_",
+    "LIBTPU_",
+    "CUDA_",
+    "NVIDIA_TF32",
+)
 ENV_EXACT = ("TORCH_TRACE", "TORCH_LOGS", "KINETO_LOG_LEVEL", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
@@ -29,9 +39,7 @@ def python_version() -> str:
 
 def env_knobs(environ: dict[str, str] | None = None) -> dict[str, str]:
     environ = dict(os.environ if environ is None else environ)
-    return {
-        k: v for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_EXACT
-    }
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES) or k in ENV_EXACT}
 
 
 def git_commit(path: Path) -> str | None:
@@ -39,7 +47,10 @@ def git_commit(path: Path) -> str | None:
     try:
         out = subprocess.run(
             ["git", "-C", str(folder), "rev-parse", "HEAD"],
-            capture_output=True, text=True, timeout=5, check=False,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
         )
     except (OSError, subprocess.SubprocessError):
         return None

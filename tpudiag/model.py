@@ -9,6 +9,7 @@ parsers) build Arrow columns directly against ``arrow_schema(Cls)`` instead of i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -214,9 +215,9 @@ def _arrow_type(tp: Any) -> tuple[pa.DataType, bool]:
     return pa.string(), True
 
 
+@functools.cache
 def arrow_schema(cls: type[Any]) -> pa.Schema:
     hints = typing.get_type_hints(cls)
-    fields = []
     return pa.schema([pa.field(f.name, _arrow_type(hints[f.name])[0]) for f in dataclasses.fields(cls)])
 
 

@@ -90,9 +90,7 @@ def load_collectors(names: list[str] | None) -> list[Collector]:
     if names is not None:
         unknown = [n for n in names if n not in specs]
         if unknown:
-            raise UsageError(
-                f"unknown collector {', '.join(unknown)} (available: {', '.join(sorted(specs))})"
-            )
+            raise UsageError(f"unknown collector {', '.join(unknown)} (available: {', '.join(sorted(specs))})")
     chosen = names if names is not None else list(specs)
     collectors: list[Collector] = []
     for name in chosen:

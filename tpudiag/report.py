@@ -13,13 +13,31 @@ from collections.abc import Callable
 from typing import Any
 
 from tpudiag.analysis.steps import StepSpan, summarize_steps
-from tpudiag.store import Store
-from tpudiag.store import queries
+from tpudiag.store import Store, queries
 
 RUN_KEYS = (
-    "id", "name", "status", "exit_code", "source", "script", "argv", "cwd", "started_at", "duration_s", "host",
-    "python_version", "torch_version", "tpudiag_version", "device_kind", "device_name", "precision", "env",
-    "git_commit", "collectors", "notes", "artifacts_dir",
+    "id",
+    "name",
+    "status",
+    "exit_code",
+    "source",
+    "script",
+    "argv",
+    "cwd",
+    "started_at",
+    "duration_s",
+    "host",
+    "python_version",
+    "torch_version",
+    "tpudiag_version",
+    "device_kind",
+    "device_name",
+    "precision",
+    "env",
+    "git_commit",
+    "collectors",
+    "notes",
+    "artifacts_dir",
 )
 MAX_STEPS_LISTED = 500
 
@@ -82,8 +100,9 @@ def table(headers: list[str], rows: list[list[str]], right: set[int] | None = No
         widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
 
     def fmt(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths,
-                                                                                                 strict=True)))
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
 
     return [fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
 
@@ -126,7 +145,9 @@ def render_text(report: dict[str, Any]) -> str:
         )
         shapes = {json.dumps(s["input_shapes"]) for s in steps["per_step"] if s["input_shapes"] is not None}
         if len(shapes) > 1:
-            lines.append(f"  input shapes changed across steps: {len(shapes)} distinct ({', '.join(sorted(shapes)[:5])})")
+            lines.append(
+                f"  input shapes changed across steps: {len(shapes)} distinct ({', '.join(sorted(shapes)[:5])})"
+            )
     else:
         lines.append("steps: no trace recorded")
     ops = report["slow_ops"]
@@ -138,10 +159,7 @@ def render_text(report: dict[str, Any]) -> str:
             "  " + line
             for line in table(
                 ["op", "module", "calls", "self", "total"],
-                [
-                    [o["name"], o["module"] or "-", str(o["calls"]), _us(o["self_us"]), _us(o["total_us"])]
-                    for o in ops
-                ],
+                [[o["name"], o["module"] or "-", str(o["calls"]), _us(o["self_us"]), _us(o["total_us"])] for o in ops],
                 right={2, 3, 4},
             )
         ]

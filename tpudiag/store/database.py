@@ -115,9 +115,7 @@ class Store:
 
     def _stored_version(self, con: duckdb.DuckDBPyConnection) -> int | None:
         # fetchall(), not fetchone(): DuckDB 2 refuses the next query while a result is left unfinished.
-        has_meta = con.execute(
-            "SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'"
-        ).fetchall()
+        has_meta = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'").fetchall()
         if not has_meta or not has_meta[0][0]:
             return None
         rows = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
@@ -163,12 +161,8 @@ class Store:
     def put_run(self, run: Run, con: duckdb.DuckDBPyConnection | None = None) -> None:
         """Insert or replace a run row."""
         names = column_names(Run)
-        values = [
-            json.dumps(getattr(run, n)) if n in _JSON_RUN_FIELDS else getattr(run, n) for n in names
-        ]
-        sql = (
-            f"INSERT OR REPLACE INTO runs ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})"
-        )
+        values = [json.dumps(getattr(run, n)) if n in _JSON_RUN_FIELDS else getattr(run, n) for n in names]
+        sql = f"INSERT OR REPLACE INTO runs ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})"
         if con is not None:
             con.execute(sql, values)
             return
@@ -193,10 +187,7 @@ class Store:
 
         def load(w: duckdb.DuckDBPyConnection) -> None:
             nonlocal rows
-            done = {
-                r[0]
-                for r in w.execute("SELECT part FROM ingested_parts WHERE run_id = ?", [run_id]).fetchall()
-            }
+            done = {r[0] for r in w.execute("SELECT part FROM ingested_parts WHERE run_id = ?", [run_id]).fetchall()}
             for table, parts in pending.items():
                 todo = [p for p in parts if f"{table}/{p.name}" not in done]
                 loaded.extend(p for p in parts if f"{table}/{p.name}" in done)
@@ -228,20 +219,22 @@ class Store:
         host = socket.gethostname()
         with self.reader() as r:
             rows = r.execute(
-                "SELECT id, pid, started_at, artifacts_dir FROM runs WHERE status = 'running' AND host = ?", [host]
+                "SELECT id, pid, started_at, artifacts_dir FROM runs WHERE status = 'running' AND host = ?",
+                [host],
             ).fetchall()
         stale = [(rid, pid, started, adir) for rid, pid, started, adir in rows if pid and not _alive(pid)]
         if not stale:
             return []
         with self.writer() as w:
-            for rid, _pid, started, adir in stale:
+            for rid, _pid, _started, adir in stale:
                 if adir:
                     self.ingest_spool(rid, Path(adir) / "spool", con=w)
                 w.execute(
                     "UPDATE runs SET status = 'interrupted', notes = ? WHERE id = ? AND status = 'running'",
                     [
-                        json.dumps(["the capture process died before finishing (killed?); data up to its last "
-                                    "flush was kept"]),
+                        json.dumps(
+                            ["the capture process died before finishing (killed?); data up to its last flush was kept"]
+                        ),
                         rid,
                     ],
                 )

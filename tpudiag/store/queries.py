@@ -56,9 +56,7 @@ def resolve_run(store: Store, ref: str | None) -> dict[str, Any]:
 
 
 def has_device_trace(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
-    row = con.execute(
-        "SELECT count(*) FROM trace_events WHERE run_id = ? AND on_device", [run_id]
-    ).fetchone()
+    row = con.execute("SELECT count(*) FROM trace_events WHERE run_id = ? AND on_device", [run_id]).fetchone()
     return bool(row and row[0])
 
 

@@ -35,7 +35,8 @@ def ddl() -> list[str]:
         "CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
         _create_table(Run.TABLE, Run, primary_key="id"),
         # Spool parts already loaded, so a part is never loaded twice (e.g. after a crash between commit and unlink).
-        "CREATE TABLE IF NOT EXISTS ingested_parts (run_id VARCHAR, part VARCHAR, rows BIGINT, PRIMARY KEY (run_id, part))",
+        "CREATE TABLE IF NOT EXISTS ingested_parts "
+        "(run_id VARCHAR, part VARCHAR, rows BIGINT, PRIMARY KEY (run_id, part))",
     ]
     stmts += [_create_table(name, cls) for name, cls in BULK_TABLES.items()]
     return stmts
