@@ -12,6 +12,7 @@ import platform
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +107,24 @@ def precision() -> dict[str, Any]:
     with contextlib.suppress(Exception):
         out["deterministic_algorithms"] = bool(torch.are_deterministic_algorithms_enabled())
     if "torch_tpu" in sys.modules:
-        tpu = getattr(torch, "tpu", None)
-        for attr, key in (("get_precision", "tpu_precision"), ("get_eager_mode", "tpu_eager_mode")):
-            with contextlib.suppress(Exception):
-                out[key] = str(getattr(tpu, attr)())
+        out.update(_tpu_precision(torch))
+    return out
+
+
+def _tpu_precision(torch: Any) -> dict[str, Any]:
+    """TorchTPU's eager mode and global matmul precision (torch_tpu 0.2.0 names; both are experimental APIs).
+
+    On TPU, fp32 matmul/conv run as one bf16 pass at ``Precision.DEFAULT`` (what "medium" maps to).
+    """
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with contextlib.suppress(Exception):
+            out["tpu_eager_mode"] = str(torch.tpu.eager_mode)
+        with contextlib.suppress(Exception):
+            from torch_tpu._internal.precision import precision_impl
+
+            out["tpu_precision"] = str(precision_impl._get_global_precision())
+        with contextlib.suppress(Exception):
+            out["tpu_allow_excess_precision"] = bool(torch.tpu.allow_excess_precision)
     return out
