@@ -25,6 +25,7 @@ PALETTE = (
     "#bab0ac",
 )
 NO_MODULE = "(no module)"
+ERROR_FLOOR = 1e-3  # errors below this (exact matches included) are drawn at it on the log axis
 HOVER_ERROR = "seq %{x}: %{customdata[0]}<br>%{customdata[1]}<br>error %{y:.3g}<extra></extra>"
 
 
@@ -52,8 +53,7 @@ def top_ops_bar(rows: Sequence[dict[str, Any]], title: str) -> go.Figure:
             orientation="h",
             marker_color=PALETTE[0],
             customdata=[[r["calls"], fmt_ns(r["total_ns"])] for r in rows],
-            hovertemplate="%{y}<br>self %{x:.3f} ms<br>calls %{customdata[0]}<br>total %{customdata[1]}"
-            "<extra></extra>",
+            hovertemplate="%{y}<br>self %{x:.3f} ms<br>calls %{customdata[0]}<br>total %{customdata[1]}<extra></extra>",
         )
     )
     fig.update_xaxes(title_text="self time (ms)")
@@ -140,9 +140,7 @@ def step_timeline(events: Sequence[dict[str, Any]]) -> go.Figure:
             orientation="h",
             name=chart_text(cat),
             marker_color=PALETTE[ci % len(PALETTE)],
-            customdata=[
-                [chart_text(e["name"]), chart_text(e["module"] or "-"), fmt_ns(e["self_ns"])] for e in pts
-            ],
+            customdata=[[chart_text(e["name"]), chart_text(e["module"] or "-"), fmt_ns(e["self_ns"])] for e in pts],
             hovertemplate="%{customdata[0]}<br>module %{customdata[1]}<br>start +%{base:.3f} ms, "
             "%{x:.3f} ms (self %{customdata[2]})<extra></extra>",
         )
@@ -172,9 +170,7 @@ def histogram(rows: Sequence[dict[str, Any]]) -> go.Figure:
 
 
 def per_step_bar(rows: Sequence[dict[str, Any]], title: str) -> go.Figure:
-    fig = go.Figure(
-        go.Bar(x=[r["step"] for r in rows], y=[r["self_ns"] / 1e6 for r in rows], marker_color=PALETTE[2])
-    )
+    fig = go.Figure(go.Bar(x=[r["step"] for r in rows], y=[r["self_ns"] / 1e6 for r in rows], marker_color=PALETTE[2]))
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="self ms")
     return _layout(fig, height=300, title=title)
@@ -187,7 +183,7 @@ def error_along_run(
     fig = go.Figure()
     fig.add_scattergl(
         x=[r["seq"] for r in series],
-        y=[max(float(r["error"]), 1e-3) for r in series],
+        y=[max(float(r["error"]), ERROR_FLOOR) for r in series],
         mode="markers",
         marker={"size": 4, "color": PALETTE[0]},
         name="op (max over outputs)",
@@ -207,7 +203,7 @@ def error_along_run(
         if pts:
             fig.add_scatter(
                 x=[r["seq"] for r in pts],
-                y=[max(float(r["error"]), 1e-3) for r in pts],
+                y=[max(float(r["error"]), ERROR_FLOOR) for r in pts],
                 mode="markers",
                 marker={"size": 11, "symbol": symbol, "color": color, "line": {"width": 2, "color": color}},
                 name=label,
@@ -215,9 +211,7 @@ def error_along_run(
                 hovertemplate=HOVER_ERROR,
             )
     if first_seq is not None:
-        fig.add_vline(
-            x=first_seq, line={"color": "#b00020", "dash": "dot"}, annotation_text="first divergence"
-        )
+        fig.add_vline(x=first_seq, line={"color": "#b00020", "dash": "dot"}, annotation_text="first divergence")
     fig.update_yaxes(
         type="log", dtick=1, exponentformat="power", title_text="normalised error  max|Δ| / (eps · max|ref|)"
     )
@@ -249,10 +243,7 @@ def compile_timeline(rows: Sequence[dict[str, Any]], origin_ns: int | None) -> g
     for i, kind in enumerate(kinds):
         pts = [r for r in rows if r["kind"] == kind]
         fig.add_scatter(
-            x=[
-                (r["ts_ns"] - origin_ns) / 1e9 if use_time and origin_ns is not None else r["seq"]
-                for r in pts
-            ],
+            x=[(r["ts_ns"] - origin_ns) / 1e9 if use_time and origin_ns is not None else r["seq"] for r in pts],
             y=[chart_text(kind)] * len(pts),
             mode="markers",
             name=chart_text(kind),
@@ -280,9 +271,7 @@ def cache_bars(rows: Sequence[dict[str, Any]]) -> go.Figure:
     fig = go.Figure()
     tiers = [chart_text(r["tier"]) for r in rows]
     fig.add_bar(y=tiers, x=[r["hits"] for r in rows], name="hits", orientation="h", marker_color=PALETTE[2])
-    fig.add_bar(
-        y=tiers, x=[r["misses"] for r in rows], name="misses", orientation="h", marker_color=PALETTE[3]
-    )
+    fig.add_bar(y=tiers, x=[r["misses"] for r in rows], name="misses", orientation="h", marker_color=PALETTE[3])
     fig.update_layout(barmode="stack")
     fig.update_yaxes(automargin=True)
     return _layout(fig, height=max(200, 40 * len(rows) + 100), title="Cache lookups by tier")

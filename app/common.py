@@ -31,11 +31,7 @@ def store() -> Store:
 
 def db_option(s: Store) -> str:
     """``--db PATH`` for commands shown to the user, empty when the store is the default one."""
-    return (
-        ""
-        if s.path.name == DEFAULT_DB and s.path.parent == s.path.cwd()
-        else f"--db {shlex.quote(str(s.path))} "
-    )
+    return "" if s.path.name == DEFAULT_DB and s.path.parent == s.path.cwd() else f"--db {shlex.quote(str(s.path))} "
 
 
 def store_version(s: Store) -> tuple[int, ...]:
@@ -52,9 +48,7 @@ def store_version(s: Store) -> tuple[int, ...]:
 
 
 @st.cache_data(max_entries=256, show_spinner=False)
-def _cached(
-    name: str, path: str, version: tuple[int, ...], args: tuple[Any, ...], kwargs: tuple[Any, ...]
-) -> Any:
+def _cached(name: str, path: str, version: tuple[int, ...], args: tuple[Any, ...], kwargs: tuple[Any, ...]) -> Any:
     fn: Callable[..., Any] = getattr(q, name)
     return fn(Store(path, lock_timeout_s=LOCK_TIMEOUT_S), *args, **dict(kwargs))
 
@@ -178,6 +172,4 @@ def not_captured(what: str, s: Store, collector: str, run: dict[str, Any] | None
     script = run.get("script") if run else None
     argv = " ".join(shlex.quote(a) for a in (run.get("argv") or [])) if run else ""
     target = shlex.quote(script) if script else "your_script.py"
-    st.code(
-        f"tpudiag capture {db_option(s)}--collect trace,{collector} {target} {argv}".rstrip(), language="bash"
-    )
+    st.code(f"tpudiag capture {db_option(s)}--collect trace,{collector} {target} {argv}".rstrip(), language="bash")

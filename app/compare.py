@@ -50,9 +50,7 @@ def render(s: Store) -> None:
     b_default = ids.index(selected) if selected in ids else 0
     a_default = b_default + 1 if b_default + 1 < len(ids) else 0
     c1, c2 = st.columns(2)
-    run_a = c1.selectbox(
-        "Run A (baseline)", ids, index=a_default, format_func=labels.__getitem__, key="cmp_a"
-    )
+    run_a = c1.selectbox("Run A (baseline)", ids, index=a_default, format_func=labels.__getitem__, key="cmp_a")
     run_b = c2.selectbox("Run B", ids, index=b_default, format_func=labels.__getitem__, key="cmp_b")
     if run_a == run_b:
         st.warning("Pick two different runs.")

@@ -124,15 +124,15 @@ def render(s: Store) -> None:
         badges[1].metric("Role", fields["role"])
         badges[2].metric("Normalised error", fields["normalised error"])
     else:
-        st.success(
-            "No divergent op: every checked output matched the CPU float64 reference within tolerance."
-        )
+        st.success("No divergent op: every checked output matched the CPU float64 reference within tolerance.")
 
     if view.series:
         fig = charts.error_along_run(view.series, view.marked, first["seq"] if first else None)
         st.plotly_chart(fig, key="nm_series")
         if view.series_bucketed:
             st.caption("Long run: each point is the worst op of a bucket of consecutive ops.")
+        if any(r["error"] is not None and r["error"] < charts.ERROR_FLOOR for r in view.series):
+            st.caption("Outputs equal to the reference (error 0, or below 10⁻³) are drawn on the 10⁻³ line.")
     else:
         st.caption("No normalised error was recorded for any output.")
 
@@ -148,9 +148,7 @@ def render(s: Store) -> None:
         st.dataframe(view.skipped, hide_index=True, key="nm_skipped")
 
     st.subheader("Op detail")
-    candidates = view.divergent or [
-        {"seq": r["seq"], "op": r["op"], "module": r["module"]} for r in view.series[:1]
-    ]
+    candidates = view.divergent or [{"seq": r["seq"], "op": r["op"], "module": r["module"]} for r in view.series[:1]]
     if not candidates:
         st.caption("No op to show.")
         return

@@ -60,10 +60,7 @@ def render(s: Store) -> None:
     if not view.total and not search and not statuses:
         empty_store(s)
         return
-    st.text(
-        f"{view.total} run(s) match"
-        + (f", newest {len(view.runs)} shown" if view.total > len(view.runs) else "")
-    )
+    st.text(f"{view.total} run(s) match" + (f", newest {len(view.runs)} shown" if view.total > len(view.runs) else ""))
     if not view.runs:
         return
     ids = [r["id"] for r in view.runs]
@@ -73,9 +70,7 @@ def render(s: Store) -> None:
         if rows:
             st.session_state[RUN_KEY] = ids[rows[0]]
 
-    st.dataframe(
-        run_rows(view.runs), hide_index=True, key="runs_table", on_select=pick, selection_mode="single-row"
-    )
+    st.dataframe(run_rows(view.runs), hide_index=True, key="runs_table", on_select=pick, selection_mode="single-row")
     st.caption(
         "Click a row to select that run (or use the sidebar); the Slow ops, Numerics and Compile pages "
         "show the selected run, Compare takes two."

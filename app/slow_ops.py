@@ -18,9 +18,7 @@ DEFAULT_TOP = 25
 GROUP_LABELS = {"op": "op", "op_module": "op and module", "module": "module"}
 
 
-def top_table(
-    rows: list[dict[str, Any]], total_self_ns: int, grouping: str = "op_module"
-) -> list[dict[str, Any]]:
+def top_table(rows: list[dict[str, Any]], total_self_ns: int, grouping: str = "op_module") -> list[dict[str, Any]]:
     """The rows of the top-ops table: times in ms, each op's share of all op self time."""
     keys = {"op": ("op",), "module": ("module",)}.get(grouping, ("op", "module"))
     return [
@@ -49,9 +47,7 @@ def module_paths(rows: list[dict[str, Any]]) -> list[str]:
 
 def _filters(view_modules: list[str], steps: list[int]) -> tuple[str, q.OpFilter, int]:
     c1, c2, c3, c4, c5, c6 = st.columns([1.2, 1, 1.4, 1.6, 1, 1])
-    grouping = c1.selectbox(
-        "Group by", list(GROUP_LABELS), format_func=GROUP_LABELS.__getitem__, key="so_group"
-    )
+    grouping = c1.selectbox("Group by", list(GROUP_LABELS), format_func=GROUP_LABELS.__getitem__, key="so_group")
     phase = c2.selectbox("Phase", [ALL, *q.PHASES], key="so_phase")
     name = c3.text_input("Op name contains", key="so_name").strip()
     module = c4.selectbox("Module (and below)", [ALL, *view_modules], key="so_module")

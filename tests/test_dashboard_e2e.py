@@ -112,6 +112,10 @@ def svg_text(page: Any, text: str, timeout_s: float = 30) -> None:
     page.locator("svg text", has_text=text).first.wait_for(state="attached", timeout=timeout_s * 1000)
 
 
+def store_has_numerics(store: Store, run_id: str) -> bool:
+    return bool(q.load_numerics(store, run_id).coverage["ops_seen"])
+
+
 @pytest.mark.slow
 def test_captured_example_in_chromium(tmp_path: Path) -> None:
     with browser() as pw:
@@ -144,10 +148,11 @@ def test_captured_example_in_chromium(tmp_path: Path) -> None:
                 page.get_by_text("First divergence").first.wait_for(timeout=30_000)
                 assert page.locator("code", has_text=str(first["op"])).count() >= 1
             else:
-                page.get_by_text("No numerics").or_(page.get_by_text("No divergent op")).first.wait_for(
-                    timeout=30_000
-                )
-            page.wait_for_timeout(1000)
+                page.get_by_text("No numerics").or_(page.get_by_text("No divergent op")).first.wait_for(timeout=30_000)
+            if store_has_numerics(store, run["id"]):
+                page.get_by_text("Ops checked").first.wait_for(timeout=30_000)
+                page.locator(".js-plotly-plot").first.wait_for(state="attached", timeout=30_000)
+            page.wait_for_timeout(2500)
             page.screenshot(path=str(ARTIFACTS / "dashboard-numerics.png"))
             chromium.close()
         assert loaded_s < 30
