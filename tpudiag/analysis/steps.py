@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
-from tpudiag.analysis.tree import MODULE_PREFIX, depth_levels
+from tpudiag.analysis.tree import MODULE_PREFIX, Names, depth_levels, prefix_mask
 
 PROFILER_STEP_PREFIX = "ProfilerStep#"
 OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
@@ -32,10 +34,12 @@ class StepSpan:
     input_shapes: str | None = None
 
 
-def root_forwards(names: Sequence[str], parent: Sequence[int], start_ns: Sequence[int]) -> list[int]:
+def root_forwards(
+    names: Names, parent: Sequence[int] | np.ndarray[Any, Any], start_ns: Sequence[int] | np.ndarray[Any, Any]
+) -> list[int]:
     """Indices of module annotations with no module annotation above them, in time order."""
     n = len(names)
-    is_module = np.fromiter((name.startswith(MODULE_PREFIX) for name in names), dtype=bool, count=n)
+    is_module = prefix_mask(names, MODULE_PREFIX)
     if not is_module.any():
         return []
     par = np.asarray(parent, dtype=np.int64)
@@ -51,10 +55,10 @@ def root_forwards(names: Sequence[str], parent: Sequence[int], start_ns: Sequenc
 
 
 def detect_steps(
-    names: Sequence[str],
-    start_ns: Sequence[int],
-    dur_ns: Sequence[int],
-    parent: Sequence[int],
+    names: Names,
+    start_ns: Sequence[int] | np.ndarray[Any, Any],
+    dur_ns: Sequence[int] | np.ndarray[Any, Any],
+    parent: Sequence[int] | np.ndarray[Any, Any],
     root_inputs: Sequence[str | None] = (),
     whole_fallback: bool = True,
 ) -> list[StepSpan]:
@@ -64,14 +68,15 @@ def detect_steps(
     if n == 0:
         return []
     roots = root_forwards(names, parent, start_ns)
+    name_of = _name_lookup(names)
     root_shapes = {idx: root_inputs[k] for k, idx in enumerate(roots) if k < len(root_inputs)}
     # The model is the root module that takes the most time; other roots (a loss module, a metric) run beside it
     # and must neither become steps nor blur the input shapes of a step.
     root_time: dict[str, int] = {}
     for idx in roots:
-        root_time[names[idx]] = root_time.get(names[idx], 0) + dur_ns[idx]
+        root_time[name_of(idx)] = root_time.get(name_of(idx), 0) + int(dur_ns[idx])
     model_name = max(root_time, key=lambda k: root_time[k]) if root_time else None
-    model_roots = [idx for idx in roots if names[idx] == model_name]
+    model_roots = [idx for idx in roots if name_of(idx) == model_name]
 
     def shapes_in(lo: int, hi: int) -> str | None:
         seen: list[str] = []
@@ -82,14 +87,12 @@ def detect_steps(
             return None
         return seen[0] if len(seen) == 1 else "[" + ",".join(seen) + "]"
 
-    prof = sorted(
-        (i for i in range(n) if names[i].startswith(PROFILER_STEP_PREFIX)), key=lambda i: start_ns[i]
-    )
+    prof = sorted(np.flatnonzero(prefix_mask(names, PROFILER_STEP_PREFIX)).tolist(), key=lambda i: start_ns[i])
     if prof:
-        spans = []
+        spans: list[StepSpan] = []
         for i in prof:
             try:
-                num = int(names[i][len(PROFILER_STEP_PREFIX) :])
+                num = int(name_of(i)[len(PROFILER_STEP_PREFIX) :])
             except ValueError:
                 num = len(spans)
             spans.append(
@@ -103,13 +106,11 @@ def detect_steps(
             )
         return spans
 
-    opt = sorted(
-        (i for i in range(n) if names[i].startswith(OPTIMIZER_STEP_PREFIX)), key=lambda i: start_ns[i]
-    )
+    opt = sorted(np.flatnonzero(prefix_mask(names, OPTIMIZER_STEP_PREFIX)).tolist(), key=lambda i: start_ns[i])
     if opt:
         root_starts = [start_ns[i] for i in roots]
         spans = []
-        prev_end = min(start_ns)
+        prev_end = int(np.min(start_ns))
         for k, i in enumerate(opt):
             end = start_ns[i] + dur_ns[i]
             j = bisect.bisect_left(root_starts, prev_end)
@@ -119,31 +120,40 @@ def detect_steps(
         return spans
 
     if model_roots:
-        return [
-            StepSpan(k, start_ns[i], dur_ns[i], "forward", root_shapes.get(i)) for k, i in enumerate(model_roots)
-        ]
+        return [StepSpan(k, start_ns[i], dur_ns[i], "forward", root_shapes.get(i)) for k, i in enumerate(model_roots)]
 
     if not whole_fallback:
         return []
-    lo = min(start_ns)
-    hi = max(s + d for s, d in zip(start_ns, dur_ns, strict=True))
+    lo = int(np.min(start_ns))
+    hi = int(np.max(np.asarray(start_ns, dtype=np.int64) + np.asarray(dur_ns, dtype=np.int64)))
     return [StepSpan(0, lo, hi - lo, "whole", None)]
+
+
+def _name_lookup(names: Names) -> Callable[[int], str]:
+    """The name at an index, for the few events looked at one by one (Arrow columns stay columnar)."""
+    if isinstance(names, pa.Array | pa.ChunkedArray):
+        return lambda i: str(names[i].as_py())
+    return lambda i: names[i]
 
 
 def assign_steps(start_ns: Sequence[int], steps: Sequence[StepSpan]) -> list[int | None]:
     """Step number of each event (the step whose interval holds its start), or None outside steps."""
+    result: list[int | None] = step_array(start_ns, steps).to_pylist()
+    return result
+
+
+def step_array(start_ns: Sequence[int] | np.ndarray[Any, Any], steps: Sequence[StepSpan]) -> pa.Array:
+    """``assign_steps`` as an Arrow int64 array (null outside steps), without per-event Python objects."""
     ordered = sorted(steps, key=lambda s: s.start_ns)
     t = np.asarray(start_ns, dtype=np.int64)
     if not ordered:
-        return [None] * len(t)
+        return pa.nulls(len(t), pa.int64())
     starts = np.asarray([s.start_ns for s in ordered], dtype=np.int64)
     ends = starts + np.asarray([max(s.dur_ns, 1) for s in ordered], dtype=np.int64)
-    numbers = np.asarray([s.step for s in ordered], dtype=object)
-    k = np.searchsorted(starts, t, side="right") - 1
-    inside = (k >= 0) & (t < ends[np.maximum(k, 0)])
-    out = np.where(inside, numbers[np.maximum(k, 0)], None)
-    result: list[int | None] = out.tolist()
-    return result
+    numbers = np.asarray([s.step for s in ordered], dtype=np.int64)
+    k = np.maximum(np.searchsorted(starts, t, side="right") - 1, 0)
+    inside = (t >= starts[k]) & (t < ends[k])
+    return pa.array(numbers[k], pa.int64(), mask=~inside)
 
 
 def summarize_steps(steps: Sequence[StepSpan], span_ns: tuple[int, int] | None) -> dict[str, object]:

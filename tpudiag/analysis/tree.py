@@ -3,19 +3,20 @@
 Pure functions over plain columns (sequences or numpy arrays).  Self time is computed from the nesting of complete
 events on each thread (torch's own "Self CPU" from ``key_averages`` can go negative with stacks on).
 
-The work is vectorised with numpy so a million-event trace is analysed in about a second: on a thread whose events
-nest properly (the normal case) an event's depth is the number of earlier events minus those that ended before it
-started, and its parent is the last earlier event one level up.  A thread with partial overlaps or zero-length
-events, where that shortcut does not hold, goes through the exact stack walk instead.
+The work is vectorised with numpy (no per-event Python), so a million-event trace is analysed in well under a
+second: nesting is a "previous greater or equal" search by binary lifting over range maxima, depths come from
+pointer jumping, and string columns are handled once per distinct value through integer codes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 MODULE_PREFIX = "module::"
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
@@ -51,128 +52,177 @@ def nest(threads: Sequence[Any], start_ns: Sequence[int], dur_ns: Sequence[int])
 def nest_arrays(codes: IntArray, start: IntArray, dur: IntArray) -> tuple[IntArray, IntArray, IntArray]:
     """``nest`` over numpy columns: (parent, depth, self_ns) arrays; ``codes`` identifies each event's thread."""
     n = len(start)
-    parent = np.full(n, -1, dtype=np.int64)
-    depth = np.zeros(n, dtype=np.int64)
     if n == 0:
-        return parent, depth, np.zeros(0, dtype=np.int64)
-    idx = np.arange(n, dtype=np.int64)
-    order = np.lexsort((idx, -dur, start, codes))
-    sorted_codes = codes[order]
-    bounds = np.flatnonzero(np.diff(sorted_codes)) + 1
-    for seg in np.split(order, bounds):
-        p, d = _nest_thread(start[seg], dur[seg])
-        parent[seg] = np.where(p >= 0, seg[np.maximum(p, 0)], -1)
-        depth[seg] = d
-    child = np.bincount(parent[parent >= 0], weights=dur[parent >= 0], minlength=n).astype(np.int64)
-    self_ns = np.maximum(dur - child, 0)
-    return parent, depth, self_ns
+        return np.full(0, -1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    start = np.asarray(start, dtype=np.int64)
+    dur = np.asarray(dur, dtype=np.int64)
+    order = np.lexsort((np.arange(n, dtype=np.int64), -dur, start, codes))
+    # In nesting order the exact stack walk pops every open event that ends before the new one ends, so an
+    # event's parent is the last earlier event on its thread that ends at or after it: a "previous greater or
+    # equal" search, done on end ranks offset per thread so that no search crosses into another thread.
+    _, end_rank = np.unique((start + dur)[order], return_inverse=True)
+    sorted_codes = np.asarray(codes, dtype=np.int64)[order]
+    thread_rank = np.concatenate(([0], np.cumsum(sorted_codes[1:] != sorted_codes[:-1])))
+    key = thread_rank * (n + 1) + end_rank.astype(np.int64)
+    pos = _previous_greater_or_equal(key)
+    parent = np.full(n, -1, dtype=np.int64)
+    parent[order] = np.where(pos >= 0, order[np.maximum(pos, 0)], -1)
+    depth = _depths(parent)
+    has_parent = parent >= 0
+    child = np.bincount(parent[has_parent], weights=dur[has_parent], minlength=n).astype(np.int64)
+    return parent, depth, np.maximum(dur - child, 0)
 
 
-def _nest_thread(s: IntArray, d: IntArray) -> tuple[IntArray, IntArray]:
-    """Parent (index within the segment) and depth of one thread's events, already in nesting order."""
-    m = len(s)
-    e = s + d
-    if m > 1 and d.min() > 0:
-        pos = np.arange(m, dtype=np.int64)
-        depth = pos - np.searchsorted(np.sort(e), s, side="right")
-        if depth.min() >= 0:
-            keys = depth * m + pos
-            ranked = np.sort(keys)
-            k = np.searchsorted(ranked, (depth - 1) * m + pos) - 1
-            parent = np.where(depth > 0, ranked[np.maximum(k, 0)] % m, -1)
-            inner = depth > 0
-            ok = (
-                np.all(depth[parent[inner]] == depth[inner] - 1)
-                and np.all(e[inner] <= e[parent[inner]])
-                and np.all(s[parent[inner]] <= s[inner])
-                and np.all(np.maximum.accumulate(e)[:-1][depth[1:] == 0] <= s[1:][depth[1:] == 0])
-            )
-            if ok:
-                return parent, depth
-    return _nest_thread_loop(s, d)
+def _previous_greater_or_equal(key: IntArray) -> IntArray:
+    """For each i, the largest j < i with key[j] >= key[i] (-1 if none).
+
+    Candidates start at i - 1 and jump to the candidate's own candidate while the candidate is smaller: everything
+    between a candidate and its own candidate is smaller still, so no answer is skipped.  All events jump at once
+    and the unresolved set shrinks quickly (a first child resolves at once; a sibling after one jump per level).
+    """
+    n = len(key)
+    cand = np.arange(-1, n - 1, dtype=np.int64)
+    todo = np.arange(1, n, dtype=np.int64)
+    while len(todo):
+        c = cand[todo]
+        smaller = key[c] < key[todo]
+        todo, c = todo[smaller], c[smaller]
+        cand[todo] = cand[c]
+        todo = todo[cand[todo] >= 0]
+    return cand
 
 
-def _nest_thread_loop(s: IntArray, d: IntArray) -> tuple[IntArray, IntArray]:
-    """The exact stack walk (partial overlaps are not children; zero-length events at an end stay inside)."""
-    starts, durs = s.tolist(), d.tolist()
-    m = len(starts)
-    parent = [-1] * m
-    depth = [0] * m
-    stack: list[int] = []
-    for i in range(m):
-        si, ei = starts[i], starts[i] + durs[i]
-        while stack and starts[stack[-1]] + durs[stack[-1]] <= si and durs[i] > 0:
-            stack.pop()
-        while stack and starts[stack[-1]] + durs[stack[-1]] < ei:
-            stack.pop()
-        if stack:
-            parent[i] = stack[-1]
-            depth[i] = depth[stack[-1]] + 1
-        stack.append(i)
-    return np.asarray(parent, dtype=np.int64), np.asarray(depth, dtype=np.int64)
+def _depths(parent: IntArray) -> IntArray:
+    """Number of ancestors of each event, by pointer jumping (log of the tree height rounds)."""
+    depth = (parent >= 0).astype(np.int64)
+    up = parent.copy()
+    while True:
+        live = np.flatnonzero(up >= 0)
+        if not len(live):
+            return depth
+        above = up[live]
+        depth[live] += depth[above]
+        up[live] = up[above]
 
 
 @dataclass(frozen=True)
 class Attribution:
-    module: list[str | None]
-    phase: list[str | None]
-    source_loc: list[str | None]
+    module: pa.Array  # string, null where no module encloses the event
+    phase: pa.Array  # "forward" | "backward" | null
+    source_loc: pa.Array  # string: module_sources[module]
+
+
+Names: TypeAlias = "Sequence[str] | pa.Array | pa.ChunkedArray"
+
+
+def encode(values: Names) -> tuple[IntArray, list[str]]:
+    """Integer codes and the distinct values of a string column (a list, or an Arrow string/dictionary array).
+
+    Nulls count as "".  Arrow chunks are encoded one by one and their dictionaries merged (few distinct values).
+    """
+    if isinstance(values, pa.Array | pa.ChunkedArray):
+        chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
+        seen: dict[str, int] = {}
+        parts = [np.zeros(0, dtype=np.int64)]
+        for chunk in chunks:
+            if not pa.types.is_dictionary(chunk.type):
+                chunk = pc.dictionary_encode(chunk)
+            local = np.fromiter(
+                (seen.setdefault(v if v is not None else "", len(seen)) for v in chunk.dictionary.to_pylist()),
+                dtype=np.int64,
+                count=len(chunk.dictionary),
+            )
+            idx = pc.fill_null(chunk.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+            if (idx < 0).any():
+                local = np.append(local, seen.setdefault("", len(seen)))
+            parts.append(local[idx] if len(local) else idx)
+        return np.concatenate(parts), list(seen)
+    codes_of: dict[str, int] = {}
+    codes = np.fromiter((codes_of.setdefault(v, len(codes_of)) for v in values), dtype=np.int64, count=len(values))
+    return codes, list(codes_of)
+
+
+def prefix_mask(values: Names, prefix: str) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """Which entries start with ``prefix`` (tested once per distinct value)."""
+    codes, distinct = encode(values)
+    hits = np.fromiter((v.startswith(prefix) for v in distinct), dtype=bool, count=len(distinct))
+    return hits[codes] if len(codes) else np.zeros(0, dtype=bool)
 
 
 def attribute_modules(
-    names: Sequence[str],
-    processes: Sequence[str],
-    start_ns: Sequence[int],
-    seq_nr: Sequence[int | None],
-    parent: Sequence[int],
+    names: Names,
+    processes: Names,
+    start_ns: Sequence[int] | IntArray,
+    seq_nr: Sequence[int | None] | pa.Array | pa.ChunkedArray,
+    parent: Sequence[int] | IntArray,
     module_sources: dict[str, str] | None = None,
 ) -> Attribution:
     """Module path, phase and source location of every event.
 
     Forward: the innermost enclosing ``module::<path>`` annotation.  Backward: the ops under
     ``autograd::engine::evaluate_function: XBackward0`` belong to the module of the forward op that created that
-    autograd node, found through the autograd sequence number they share.
+    autograd node, found through the autograd sequence number they share (the earliest such forward op).
     """
-    n = len(names)
+    name_codes, distinct = encode(names)
+    n = len(name_codes)
     par = np.asarray(parent, dtype=np.int64)
-    module = np.full(n, None, dtype=object)
-    phase = np.full(n, None, dtype=object)
-    own = np.zeros(n, dtype=bool)
-    backward: list[int] = []
-    for i, name in enumerate(names):
-        if name.startswith(MODULE_PREFIX):
-            module[i] = name[len(MODULE_PREFIX) :]
-            phase[i] = "forward"
-            own[i] = True
-        elif name.startswith(BACKWARD_PREFIX):
-            phase[i] = "backward"
-            own[i] = True
-            backward.append(i)
+    # distinct modules: the path after the prefix of each distinct module annotation name
+    module_of_name = np.full(len(distinct), -1, dtype=np.int64)
+    index: dict[str, int] = {}
+    for k, v in enumerate(distinct):
+        if v.startswith(MODULE_PREFIX):
+            module_of_name[k] = index.setdefault(v[len(MODULE_PREFIX) :], len(index))
+    modules = list(index)
+    is_backward_name = np.fromiter((v.startswith(BACKWARD_PREFIX) for v in distinct), bool, len(distinct))
+    module = module_of_name[name_codes] if n else np.zeros(0, dtype=np.int64)
+    backward = is_backward_name[name_codes] if n else np.zeros(0, dtype=bool)
+    phase = np.where(module >= 0, _FORWARD, np.where(backward, _BACKWARD, _NONE)).astype(np.int8)
+    own = (module >= 0) | backward
     levels = depth_levels(par)
     _propagate(levels, par, own, module, phase)
-    if backward:
-        first_forward: dict[tuple[str, int], tuple[int, str]] = {}
+    if backward.any():
+        seq = _int_column(seq_nr, n)
+        proc_codes, _ = encode(processes)
+        key = proc_codes * (1 << 40) + seq
+        fwd = np.flatnonzero((phase == _FORWARD) & (module >= 0) & (seq >= 0))
+        bwd = np.flatnonzero(backward)
         starts = np.asarray(start_ns, dtype=np.int64)
-        for i in np.flatnonzero((phase == "forward") & (module != None)).tolist():  # noqa: E711
-            s = seq_nr[i]
-            if s is None:
-                continue
-            key = (processes[i], s)
-            known = first_forward.get(key)
-            if known is None or (starts[i], i) < (starts[known[0]], known[0]):
-                first_forward[key] = (i, module[i])
-        for i in backward:
-            s = seq_nr[i]
-            found = first_forward.get((processes[i], s)) if s is not None else None
-            module[i] = found[1] if found is not None else (module[par[i]] if par[i] >= 0 else None)
+        found = np.full(len(bwd), -1, dtype=np.int64)
+        if len(fwd):
+            # the earliest forward op of each (process, sequence number)
+            first = fwd[np.lexsort((fwd, starts[fwd], key[fwd]))]
+            keys = key[first]
+            keep = np.concatenate(([True], keys[1:] != keys[:-1]))
+            first, keys = first[keep], keys[keep]
+            at = np.minimum(np.searchsorted(keys, key[bwd]), len(keys) - 1)
+            hit = (keys[at] == key[bwd]) & (seq[bwd] >= 0)
+            found[hit] = module[first[at[hit]]]
+        inherited = np.where(par[bwd] >= 0, module[np.maximum(par[bwd], 0)], -1)
+        module[bwd] = np.where(found >= 0, found, inherited)
         _propagate(levels, par, own, module, phase)
     sources = module_sources or {}
-    mods: list[str | None] = module.tolist()
     return Attribution(
-        module=mods,
-        phase=phase.tolist(),
-        source_loc=[sources.get(m) if m is not None else None for m in mods],
+        module=decode(module, modules),
+        phase=decode(phase.astype(np.int64) - 1, ["forward", "backward"]),
+        source_loc=decode(module, [sources.get(m) for m in modules]),
     )
+
+
+_NONE, _FORWARD, _BACKWARD = 0, 1, 2
+
+
+def _int_column(values: Sequence[int | None] | pa.Array | pa.ChunkedArray, n: int) -> IntArray:
+    """An integer column with nulls as -1."""
+    if isinstance(values, pa.Array | pa.ChunkedArray):
+        return np.asarray(pc.fill_null(values.cast(pa.int64()), -1).to_numpy(zero_copy_only=False), np.int64)
+    return np.fromiter((-1 if v is None else v for v in values), dtype=np.int64, count=n)
+
+
+def decode(codes: IntArray, values: Sequence[str | None]) -> pa.Array:
+    """Strings from codes (negative -> null), through a dictionary array (no per-row Python objects)."""
+    dictionary = pa.array(list(values) or [""], pa.string())
+    indices = pa.array(np.maximum(codes, 0).astype(np.int32), mask=codes < 0)
+    return pc.cast(pa.DictionaryArray.from_arrays(indices, dictionary), pa.string())
 
 
 def depth_levels(parent: IntArray) -> list[IntArray]:
@@ -197,7 +247,7 @@ def _propagate(
     levels: list[IntArray],
     parent: IntArray,
     own: np.ndarray[Any, Any],
-    module: np.ndarray[Any, Any],
+    module: IntArray,
     phase: np.ndarray[Any, Any],
 ) -> None:
     """Events without their own module/phase take their parent's, level by level from the roots down."""

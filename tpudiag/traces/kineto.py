@@ -17,7 +17,10 @@ the launching op is the innermost ``cpu_op`` around that call.  The kernel row t
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import queue
 import re
+import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,9 +30,10 @@ from typing import Any
 import msgspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from tpudiag.analysis.steps import StepSpan, assign_steps, detect_steps
-from tpudiag.analysis.tree import attribute_modules, depth_levels, nest_arrays, thread_codes
+from tpudiag.analysis.steps import StepSpan, detect_steps, step_array
+from tpudiag.analysis.tree import attribute_modules, decode, depth_levels, encode, nest_arrays
 from tpudiag.errors import ImportFormatError
 from tpudiag.model import Step, TraceEvent, arrow_schema
 from tpudiag.traces.jsonsplit import EventSplitter, StreamFormatError
@@ -38,12 +42,13 @@ DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_a
 LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 HOST_OP_CATEGORY = "cpu_op"
 READ_CHUNK = 1 << 20  # compressed bytes read at a time
+_QUEUED_CHUNKS = 4  # decompressed chunks waiting for the decoder (bounds memory)
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
 Progress = Callable[[int], None]  # called with the number of events read so far
 
 
-class _Event(msgspec.Struct):
+class _Event(msgspec.Struct, gc=False):
     ph: str = ""
     cat: str = ""
     name: str = ""
@@ -54,7 +59,7 @@ class _Event(msgspec.Struct):
     args: msgspec.Raw = msgspec.Raw()
 
 
-class _Args(msgspec.Struct):
+class _Args(msgspec.Struct, gc=False):
     external_id: int | None = msgspec.field(default=None, name="External id")
     correlation: int | None = None
     seq: int | None = msgspec.field(default=None, name="Sequence number")
@@ -64,13 +69,15 @@ class _Args(msgspec.Struct):
 
 _EVENTS = msgspec.json.Decoder(list[_Event])
 _ARGS = msgspec.json.Decoder(_Args)
+_ARGS_LIST = msgspec.json.Decoder(list[_Args])
 _ANY = msgspec.json.Decoder()
+_DICT = pa.dictionary(pa.int32(), pa.string())
 _RAW_COLUMNS = pa.schema(
     [
-        ("process", pa.string()),
-        ("thread", pa.string()),
-        ("name", pa.string()),
-        ("category", pa.string()),
+        ("process", _DICT),
+        ("thread", _DICT),
+        ("name", _DICT),
+        ("category", _DICT),
         ("start_ns", pa.int64()),
         ("dur_ns", pa.int64()),
         ("args", pa.string()),
@@ -85,7 +92,9 @@ _RAW_COLUMNS = pa.schema(
 
 @dataclass
 class KinetoTrace:
-    """The complete events of one Chrome trace file, as Arrow columns (``start_ns`` already in epoch ns)."""
+    """The complete events of one Chrome trace file, as Arrow columns (``start_ns`` already in epoch ns).
+
+    ``process``, ``thread``, ``name`` and ``category`` are dictionary-encoded (few distinct values)."""
 
     base_ns: int = 0
     columns: pa.Table = field(default_factory=_RAW_COLUMNS.empty_table)
@@ -124,12 +133,45 @@ def _byte_chunks(path: Path) -> Iterator[bytes]:
             raise ImportFormatError(f"{path}: truncated gzip file (the compressed stream ends early)")
 
 
+def _prefetched(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """``chunks`` produced by a background thread: zlib releases the GIL, so decompression overlaps decoding on a
+    second core.  At most ``_QUEUED_CHUNKS`` chunks wait; an error in the thread is raised here."""
+    q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=_QUEUED_CHUNKS)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for chunk in chunks:
+                while not stop.is_set():
+                    try:
+                        q.put(chunk, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(None)
+        except BaseException as err:  # handed to the consumer, never lost in the thread
+            q.put(err)
+
+    worker = threading.Thread(target=produce, name="tpudiag-gunzip", daemon=True)
+    worker.start()
+    try:
+        while (item := q.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        worker.join()
+
+
 def load(path: Path, progress: Progress | None = None) -> KinetoTrace:
     """Read one Chrome/Kineto trace file (plain or gzip) with bounded memory."""
     splitter = EventSplitter()
     builder = _Builder()
     try:
-        for chunk in _byte_chunks(path):
+        for chunk in _prefetched(_byte_chunks(path)):
             batch = splitter.feed(chunk)
             if batch is not None:
                 builder.add(_EVENTS.decode(batch))
@@ -164,54 +206,54 @@ def parse(doc: Any, origin: str = "<trace>") -> KinetoTrace:
 
 
 class _Builder:
-    """Accumulates decoded event batches as Arrow record batches (relative microsecond times until the end)."""
+    """Accumulates decoded event batches as columns.
+
+    String columns become integer codes into dictionaries shared by all batches (a trace has a few hundred
+    distinct names and threads), so no per-event Python string reaches Arrow; ``args`` stays the raw JSON text,
+    joined into one buffer per batch; the few args fields tpudiag needs are decoded in one call per batch.
+    """
 
     def __init__(self) -> None:
-        self.batches: list[pa.RecordBatch] = []
         self.rows = 0
         self.process_names: dict[str, str] = {}
         self.thread_names: dict[tuple[str, str], str] = {}
+        self._names: dict[str, int] = {}
+        self._categories: dict[str, int] = {}
+        self._threads: dict[tuple[int | str, int | str], int] = {}
+        self._codes: list[tuple[np.ndarray[Any, Any], ...]] = []  # (name, category, thread pair, start, dur)
+        self._args: list[list[pa.Array]] = []  # args, external_id, correlation, seq_nr, shapes, dtypes
 
     def add(self, events: list[_Event]) -> None:
         xs = [e for e in events if e.ph == "X" and e.ts is not None]
-        for e in events:
-            if e.ph == "M" and e.args:
-                self._metadata_event(e)
+        if len(xs) != len(events):
+            for e in events:
+                if e.ph == "M" and e.args:
+                    self._metadata_event(e)
         if not xs:
             return
-        ts = np.fromiter((e.ts for e in xs), dtype=np.float64, count=len(xs))
-        dur = np.fromiter((e.dur or 0.0 for e in xs), dtype=np.float64, count=len(xs))
+        n = len(xs)
+        names, cats, threads = self._names, self._categories, self._threads
+        ts = np.fromiter([e.ts for e in xs], dtype=np.float64, count=n)
+        dur = np.fromiter([e.dur or 0.0 for e in xs], dtype=np.float64, count=n)
         whole = np.floor(ts)
         start = whole.astype(np.int64) * 1000 + np.rint((ts - whole) * 1000).astype(np.int64)
-        raws = [e.args for e in xs]
-        parsed = [_decode_args(r) for r in raws]
-        none: list[Any] = [None] * len(xs)
-        arrays = [
-            pa.array([str(e.pid) for e in xs], pa.string()),
-            pa.array([str(e.tid) for e in xs], pa.string()),
-            pa.array([e.name for e in xs], pa.string()),
-            pa.array([e.cat for e in xs], pa.string()),
-            pa.array(start),
-            pa.array(np.maximum(np.rint(dur * 1000), 0).astype(np.int64)),
-            pa.array([bytes(r).decode() if r else None for r in raws], pa.string()),
-            pa.array([a.external_id if a else None for a in parsed] if any(parsed) else none, pa.int64()),
-            pa.array([a.correlation if a else None for a in parsed] if any(parsed) else none, pa.int64()),
-            pa.array([a.seq if a else None for a in parsed] if any(parsed) else none, pa.int64()),
-            pa.array(
-                [_raw_text(a.dims) if a else None for a in parsed] if any(parsed) else none, pa.string()
-            ),
-            pa.array(
-                [_raw_text(a.types) if a else None for a in parsed] if any(parsed) else none, pa.string()
-            ),
-        ]
-        self.batches.append(pa.RecordBatch.from_arrays(arrays, schema=_RAW_COLUMNS))
-        self.rows += len(xs)
+        self._codes.append(
+            (
+                np.fromiter([names.setdefault(e.name, len(names)) for e in xs], np.int32, n),
+                np.fromiter([cats.setdefault(e.cat, len(cats)) for e in xs], np.int32, n),
+                np.fromiter([threads.setdefault((e.pid, e.tid), len(threads)) for e in xs], np.int32, n),
+                start,
+                np.maximum(np.rint(np.nan_to_num(dur) * 1000), 0).astype(np.int64),
+            )
+        )
+        self._args.append(_args_columns([e.args for e in xs]))
+        self.rows += n
 
     def _metadata_event(self, e: _Event) -> None:
         if e.name not in ("process_name", "thread_name"):
             return
         try:
-            a = _ANY.decode(e.args)  # type: ignore[arg-type]
+            a = _ANY.decode(e.args)
         except msgspec.DecodeError:
             return
         if not isinstance(a, dict):
@@ -225,10 +267,7 @@ class _Builder:
         meta = {k: v for k, v in meta.items() if k != "traceEvents"}
         base = meta.get("baseTimeNanoseconds")
         base_ns = int(base) if isinstance(base, int | float) and not isinstance(base, bool) else 0
-        table = pa.Table.from_batches(self.batches, schema=_RAW_COLUMNS)
-        if base_ns:
-            col = table.column("start_ns")
-            table = table.set_column(1 + 3, "start_ns", pa.compute.add(col, base_ns))
+        table = self._table(base_ns)
         dist = meta.get("distributedInfo")
         rank = dist.get("rank") if isinstance(dist, dict) else None
         return KinetoTrace(
@@ -239,6 +278,102 @@ class _Builder:
             rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
             metadata=meta,
         )
+
+    def _table(self, base_ns: int) -> pa.Table:
+        if not self._codes:
+            return _RAW_COLUMNS.empty_table()
+        name, cat, pair, start, dur = (np.concatenate(c) for c in zip(*self._codes, strict=True))
+        # thread pairs -> process and thread strings, each dictionary-encoded
+        pairs = list(self._threads)
+        procs: dict[str, int] = {}
+        tids: dict[str, int] = {}
+        proc_of = np.fromiter([procs.setdefault(str(p), len(procs)) for p, _ in pairs], np.int32, len(pairs))
+        tid_of = np.fromiter([tids.setdefault(str(t), len(tids)) for _, t in pairs], np.int32, len(pairs))
+        arrays: list[pa.Array | pa.ChunkedArray] = [
+            _dictionary(proc_of[pair], procs),
+            _dictionary(tid_of[pair], tids),
+            _dictionary(name, self._names),
+            _dictionary(cat, self._categories),
+            pa.array(start + base_ns),
+            pa.array(dur),
+        ]
+        arrays += [pa.chunked_array([b[k] for b in self._args], _RAW_COLUMNS.field(6 + k).type) for k in range(6)]
+        return pa.Table.from_arrays(arrays, schema=_RAW_COLUMNS)
+
+
+def _dictionary(codes: np.ndarray[Any, Any], values: dict[str, int]) -> pa.DictionaryArray:
+    return pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(list(values), pa.string()))
+
+
+def _args_columns(raws: list[msgspec.Raw]) -> list[pa.Array]:
+    """args (raw JSON text), External id, correlation, Sequence number, Input Dims and Input type of a batch."""
+    n = len(raws)
+    lengths = np.fromiter(map(len, raws), dtype=np.int64, count=n)
+    has = lengths > 0
+    args = _text_array(b"".join(raws), lengths)
+    filled = [r for r in raws if r]
+    try:
+        parsed = _ARGS_LIST.decode(b"[" + b",".join(filled) + b"]")
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        parsed = [_decode_args(r) or _Args() for r in filled]  # odd values somewhere: field by field
+    where = pa.array(np.cumsum(has) - 1, mask=~has)  # row -> position among the events that have args
+
+    def spread(values: pa.Array) -> pa.Array:
+        return values.take(where) if len(filled) != n else values
+
+    ints = [
+        spread(pa.array([a.external_id for a in parsed], pa.int64())),
+        spread(pa.array([a.correlation for a in parsed], pa.int64())),
+        spread(pa.array([a.seq for a in parsed], pa.int64())),
+    ]
+    texts = [spread(_compact_json([a.dims for a in parsed])), spread(_compact_json([a.types for a in parsed]))]
+    return [args, *ints, *texts]
+
+
+def _text_array(data: bytes, lengths: np.ndarray[Any, Any]) -> pa.Array:
+    """A string array over one buffer of concatenated UTF-8 values; empty values are null."""
+    n = len(lengths)
+    large = len(data) >= 1 << 31
+    offsets = np.zeros(n + 1, dtype=np.int64 if large else np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    valid = lengths > 0
+    arr = pa.Array.from_buffers(
+        pa.large_string() if large else pa.string(),
+        n,
+        [pa.py_buffer(np.packbits(valid, bitorder="little")), pa.py_buffer(offsets), pa.py_buffer(data)],
+        null_count=int(n - valid.sum()),
+    )
+    try:
+        arr.validate(full=True)
+    except pa.ArrowInvalid:  # invalid UTF-8 inside a value: decode value by value, replacing bad bytes
+        bounds = offsets.tolist()
+        return pa.array(
+            [data[a:b].decode("utf-8", "replace") or None for a, b in itertools.pairwise(bounds)],
+            pa.string(),
+        )
+    return arr if not large else arr.cast(pa.string())
+
+
+_WS = np.zeros(256, dtype=bool)
+_WS[[9, 10, 13, 32]] = True
+
+
+def _compact_json(raws: list[msgspec.Raw]) -> pa.Array:
+    """Raw JSON values as compact text (whitespace outside strings removed); missing values are null."""
+    n = len(raws)
+    lengths = np.fromiter(map(len, raws), dtype=np.int64, count=n)
+    data = b"".join(raws)
+    if not data:
+        return pa.nulls(n, pa.string())
+    if b"\\" in data:  # escapes make quote parity unreliable: re-encode value by value
+        return pa.array([_raw_text(r) for r in raws], pa.string())
+    a = np.frombuffer(data, dtype=np.uint8)
+    inside = (np.cumsum(a == 34) & 1).astype(bool)  # 34 = '"'; balanced per value, so parity is per value
+    drop = _WS[a] & ~inside
+    kept_before = np.concatenate(([0], np.cumsum(~drop)))
+    ends = np.cumsum(lengths)
+    new_lengths = np.diff(np.concatenate(([0], kept_before[ends])))
+    return _text_array(a[~drop].tobytes(), new_lengths)
 
 
 def _decode_args(raw: msgspec.Raw) -> _Args | None:
@@ -295,45 +430,44 @@ def to_tables(
     source: str = "kineto",
     whole_fallback: bool = True,
 ) -> TraceTables:
-    """Analyse one trace (nesting, self time, modules, steps, kernel launches) and build its trace_events table."""
+    """Analyse one trace (nesting, self time, modules, steps, kernel launches) and build its trace_events table.
+
+    Columnar throughout: strings are handled once per distinct value through dictionary codes."""
     cols = trace.columns
     n = len(trace)
-    process: list[str] = cols.column("process").to_pylist()
-    thread: list[str] = cols.column("thread").to_pylist()
-    names: list[str] = cols.column("name").to_pylist()
-    category = np.asarray(cols.column("category").to_pylist(), dtype=object)
-    start = cols.column("start_ns").to_numpy()
-    dur = cols.column("dur_ns").to_numpy()
-    seq: list[int | None] = cols.column("seq_nr").to_pylist()
-    codes = thread_codes(list(zip(process, thread, strict=True)))
-    parent, depth, self_ns = nest_arrays(codes, start, dur)
-    attr = attribute_modules(names, process, start, seq, parent, module_sources)
+    start = np.asarray(cols.column("start_ns").to_numpy(), dtype=np.int64)
+    dur = np.asarray(cols.column("dur_ns").to_numpy(), dtype=np.int64)
+    proc_codes, procs = encode(cols.column("process"))
+    tid_codes, tids = encode(cols.column("thread"))
+    thread_key = proc_codes * max(len(tids), 1) + tid_codes
+    parent, depth, self_ns = nest_arrays(thread_key, start, dur)
+    names = cols.column("name")
+    attr = attribute_modules(names, cols.column("process"), start, cols.column("seq_nr"), parent, module_sources)
     steps = detect_steps(names, start, dur, parent, root_inputs, whole_fallback=whole_fallback)
     if first_step and not any(s.kind == "profiler_step" for s in steps):
         steps = [dataclasses.replace(s, step=s.step + first_step) for s in steps]
-    step_of = np.asarray(assign_steps(start, steps), dtype=object)
-    module = np.asarray(attr.module, dtype=object)
-    phase = np.asarray(attr.phase, dtype=object)
-    on_device = np.isin(category, list(DEVICE_CATEGORIES))
-
-    launcher = _launching_ops(category, cols.column("correlation"), parent, on_device)
+    cat_codes, cats = encode(cols.column("category"))
+    on_device = _in(cat_codes, cats, DEVICE_CATEGORIES)
+    launcher = _launching_ops(cat_codes, cats, cols.column("correlation"), parent, on_device)
     linked = launcher >= 0
-    framework_op = np.full(n, None, dtype=object)
-    names_arr = np.asarray(names, dtype=object)
-    framework_op[linked] = names_arr[launcher[linked]]
-    for arr in (module, phase, step_of):
-        arr[linked] = arr[launcher[linked]]
+    # a device event takes the module, phase and step of the op that launched it
+    inherit = pa.array(np.where(linked, launcher, np.arange(n)))
+    name_codes, distinct_names = encode(names)
+    framework_op = decode(np.where(linked, name_codes[np.maximum(launcher, 0)], -1), distinct_names)
     launch_id = np.where(linked, launcher + first_event_id, -1)
-
-    proc_label = [trace.process_names.get(p, p) for p in process]
-    thread_label = [trace.thread_names.get(k, k[1]) for k in zip(process, thread, strict=True)]
+    proc_label = [trace.process_names.get(p, p) for p in procs]
+    pair_codes, pair_first = np.unique(thread_key, return_index=True)
+    thread_label = [
+        trace.thread_names.get((procs[proc_codes[i]], tids[tid_codes[i]]), tids[tid_codes[i]])
+        for i in pair_first.tolist()
+    ]
     columns: dict[str, Any] = {
-        "run_id": pa.repeat(run_id, n) if n else [],
+        "run_id": pa.repeat(run_id, n),
         "event_id": np.arange(first_event_id, first_event_id + n, dtype=np.int64),
-        "source": pa.repeat(source, n) if n else [],
-        "process": proc_label,
-        "thread": thread_label,
-        "name": cols.column("name"),
+        "source": pa.repeat(source, n),
+        "process": decode(proc_codes, proc_label),
+        "thread": decode(np.searchsorted(pair_codes, thread_key), thread_label),
+        "name": names,
         "category": cols.column("category"),
         "start_ns": start,
         "dur_ns": dur,
@@ -341,9 +475,9 @@ def to_tables(
         "depth": depth,
         "parent_id": pa.array(parent + first_event_id, mask=parent < 0),
         "rank": np.full(n, rank, dtype=np.int64),
-        "step": pa.array(step_of.tolist(), pa.int64()),
-        "module": pa.array(module.tolist(), pa.string()),
-        "phase": pa.array(phase.tolist(), pa.string()),
+        "step": step_array(start, steps).take(inherit),
+        "module": attr.module.take(inherit),
+        "phase": attr.phase.take(inherit),
         "source_loc": attr.source_loc,
         "shapes": cols.column("shapes"),
         "dtypes": cols.column("dtypes"),
@@ -353,45 +487,44 @@ def to_tables(
         "on_device": on_device,
         "flops": pa.nulls(n, pa.float64()),
         "bytes_accessed": pa.nulls(n, pa.float64()),
-        "framework_op": pa.array(framework_op.tolist(), pa.string()),
+        "framework_op": framework_op,
         "hlo_category": pa.nulls(n, pa.string()),
         "launch_id": pa.array(launch_id, mask=launch_id < 0),
         "args": cols.column("args"),
     }
     schema = arrow_schema(TraceEvent)
-    table = pa.table(
-        {
-            f.name: pa.array(columns[f.name], f.type)
-            if not isinstance(columns[f.name], pa.ChunkedArray)
-            else columns[f.name].cast(f.type)
-            for f in schema
-        },
-        schema=schema,
-    )
+    table = pa.table({f.name: _typed(columns[f.name], f.type) for f in schema}, schema=schema)
     return TraceTables(events=table, steps=steps)
 
 
+def _typed(value: Any, typ: pa.DataType) -> pa.Array | pa.ChunkedArray:
+    if isinstance(value, pa.Array | pa.ChunkedArray):
+        return value if value.type == typ else value.cast(typ)
+    return pa.array(value, typ)
+
+
+def _in(codes: np.ndarray[Any, Any], distinct: list[str], wanted: frozenset[str]) -> np.ndarray[Any, Any]:
+    hit = np.fromiter((v in wanted for v in distinct), dtype=bool, count=len(distinct))
+    return hit[codes] if len(codes) else np.zeros(0, dtype=bool)
+
+
 def _launching_ops(
-    category: np.ndarray[Any, Any],
+    cat_codes: np.ndarray[Any, Any],
+    cats: list[str],
     correlation: pa.ChunkedArray,
     parent: np.ndarray[Any, Any],
     on_device: np.ndarray[Any, Any],
 ) -> np.ndarray[Any, np.dtype[np.int64]]:
     """For each device event, the index of the ``cpu_op`` that launched it (-1 when unknown)."""
-    n = len(category)
+    n = len(cat_codes)
     out = np.full(n, -1, dtype=np.int64)
-    corr = correlation.to_numpy(zero_copy_only=False)
-    corr = (
-        np.where(np.isnan(corr), -1, corr).astype(np.int64)
-        if corr.dtype.kind == "f"
-        else corr.astype(np.int64)
-    )
-    launch = np.isin(category, list(LAUNCH_CATEGORIES)) & (corr >= 0)
+    corr = np.asarray(pc.fill_null(correlation, -1).to_numpy(), dtype=np.int64)
+    launch = _in(cat_codes, cats, LAUNCH_CATEGORIES) & (corr >= 0)
     device = on_device & (corr >= 0)
     if not launch.any() or not device.any():
         return out
     # innermost cpu_op at or above every event, filled from the roots down
-    op_above = np.where(category == HOST_OP_CATEGORY, np.arange(n), -1)
+    op_above = np.where(_in(cat_codes, cats, frozenset({HOST_OP_CATEGORY})), np.arange(n), -1)
     for level in depth_levels(parent)[1:]:
         own = op_above[level] >= 0
         inherit = level[~own]
