@@ -19,6 +19,8 @@ import numpy as np
 _QUOTE, _BACKSLASH = 34, 92
 _OPEN_OBJ, _CLOSE_OBJ, _OPEN_ARR, _CLOSE_ARR = 123, 125, 91, 93
 _KEY = b'"traceEvents"'
+_IS_BRACKET = np.zeros(256, dtype=bool)
+_IS_BRACKET[[_OPEN_OBJ, _CLOSE_OBJ, _OPEN_ARR, _CLOSE_ARR]] = True
 _WS = b" \t\r\n"
 
 Positions = np.ndarray[Any, np.dtype[np.intp]]
@@ -38,7 +40,7 @@ class _Scanner:
     def structural(self, a: np.ndarray[Any, Any]) -> tuple[Positions, np.ndarray[Any, Any]]:
         """Positions and bytes of the brackets outside strings in chunk ``a``; advances the string state."""
         quotes = self._unescaped_quotes(a)
-        brackets = np.flatnonzero((a == _OPEN_OBJ) | (a == _CLOSE_OBJ) | (a == _OPEN_ARR) | (a == _CLOSE_ARR))
+        brackets = np.flatnonzero(_IS_BRACKET[a])
         before = np.searchsorted(quotes, brackets)
         outside = brackets[((before + int(self.in_string)) & 1) == 0]
         self.in_string = bool((len(quotes) + int(self.in_string)) & 1)
@@ -53,8 +55,10 @@ class _Scanner:
             if carried & 1 and len(quotes) and quotes[0] == 0:
                 return quotes[1:]
             return quotes
-        not_bs = np.flatnonzero(~bs)
-        self.backslashes = len(a) + carried if not len(not_bs) else len(a) - 1 - int(not_bs[-1])
+        trailing = 0  # backslashes at the chunk's end (carried into the next chunk)
+        while trailing < len(a) and a[len(a) - 1 - trailing] == _BACKSLASH:
+            trailing += 1
+        self.backslashes = len(a) + carried if trailing == len(a) else trailing
         drop = []
         candidates = quotes[bs[np.maximum(quotes - 1, 0)] & (quotes > 0)].tolist()
         if len(quotes) and quotes[0] == 0 and carried & 1:
@@ -86,6 +90,12 @@ class EventSplitter:
         self._depth = 0
         self._level = 0  # nesting depth inside the events array
         self._root_is_list = False
+        # Fast mode: cut after the last "}," of each chunk without scanning; the caller decodes the batch and calls
+        # ``reject`` if it is not valid JSON, which happens exactly when the cut was not between two events (a cut
+        # inside a string or a nested object leaves it unterminated).  Then the same bytes are split exactly.
+        self.fast = True
+        self._pending = b""  # fast mode: the bytes after the last cut (which is between two events)
+        self._last = b""  # fast mode: the bytes the last batch was cut from
 
     def feed(self, chunk: bytes) -> bytes | None:
         if not chunk:
@@ -99,7 +109,38 @@ class EventSplitter:
         if self._phase == "tail":
             self._tail += chunk
             return None
+        if self.fast:
+            return self._fast_cut(chunk)
         return self._scan_events(chunk)
+
+    def reject(self) -> bytes | None:
+        """The last batch did not decode: split the same bytes exactly, and stay exact for the rest."""
+        buf, self._last = self._last, b""
+        return self._go_exact(buf)
+
+    def drain(self) -> bytes | None:
+        """At the end of the stream: the events fast mode still holds back (call before ``finish``)."""
+        return self._go_exact(self._pending) if self.fast and self._phase == "events" else None
+
+    def _go_exact(self, buf: bytes) -> bytes | None:
+        self.fast = False
+        self._pending = b""
+        self._scanner = _Scanner()
+        self._depth = self._level
+        self._carry = b""
+        return self._scan_events(buf) if buf else None
+
+    def _fast_cut(self, chunk: bytes) -> bytes | None:
+        buf = self._pending + chunk
+        pos = buf.rfind(b"},")
+        if pos < 0:
+            self._pending = buf
+            return None
+        self._last, self._pending = buf, buf[pos + 1 :]
+        body = buf[: pos + 1].lstrip(_WS)
+        if body[:1] == b",":
+            body = body[1:]
+        return b"[" + body + b"]"
 
     def finish(self) -> bytes | None:
         if self._phase == "head":

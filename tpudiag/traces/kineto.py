@@ -170,13 +170,25 @@ def load(path: Path, progress: Progress | None = None) -> KinetoTrace:
     """Read one Chrome/Kineto trace file (plain or gzip) with bounded memory."""
     splitter = EventSplitter()
     builder = _Builder()
+
+    def add(batch: bytes | None) -> None:
+        if batch is None:
+            return
+        try:
+            events = _EVENTS.decode(batch)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            if not splitter.fast:
+                raise
+            add(splitter.reject())  # the fast cut fell inside an event: split those bytes exactly
+            return
+        builder.add(events)
+        if progress is not None:
+            progress(builder.rows)
+
     try:
         for chunk in _prefetched(_byte_chunks(path)):
-            batch = splitter.feed(chunk)
-            if batch is not None:
-                builder.add(_EVENTS.decode(batch))
-                if progress is not None:
-                    progress(builder.rows)
+            add(splitter.feed(chunk))
+        add(splitter.drain())
         rest = splitter.finish()
         meta = _ANY.decode(rest) if rest is not None else {}
     except StreamFormatError as err:
