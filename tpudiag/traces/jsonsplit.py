@@ -169,7 +169,7 @@ class EventSplitter:
         pos = head.find(_KEY)
         while pos >= 0:
             scanner = _Scanner()
-            outside, chars = scanner.structural(np.frombuffer(head[:pos], dtype=np.uint8))
+            _, chars = scanner.structural(np.frombuffer(head[:pos], dtype=np.uint8))
             depth = int(np.sum(np.where((chars == _OPEN_OBJ) | (chars == _OPEN_ARR), 1, -1)))
             if not scanner.in_string and depth == 1:
                 after = head[pos + len(_KEY) :].lstrip(_WS)

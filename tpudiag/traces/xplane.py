@@ -105,9 +105,7 @@ def host_of(path: Path) -> str:
     return path.name.removesuffix(".pb").removesuffix(".xplane").removesuffix(".xspace")
 
 
-def to_tables(
-    raw: pa.Table, run_id: str, rank: int = 0, first_event_id: int = 0, host: str = ""
-) -> XPlaneTables:
+def to_tables(raw: pa.Table, run_id: str, rank: int = 0, first_event_id: int = 0, host: str = "") -> XPlaneTables:
     """Events DB rows -> trace_events rows (categories, nesting, steps) and step spans."""
     n = raw.num_rows
     device: list[str] = [d or "" for d in raw.column("device").to_pylist()]
@@ -233,17 +231,13 @@ def _steps(
         for i, a in enumerate(trace_args):
             m = _STEP_NUM.search(a or "")
             if m and int(m.group(1)) not in spans:
-                spans[int(m.group(1))] = StepSpan(
-                    int(m.group(1)), int(start[i]), int(dur[i]), "profiler_step"
-                )
+                spans[int(m.group(1))] = StepSpan(int(m.group(1)), int(start[i]), int(dur[i]), "profiler_step")
     if spans:
         return [spans[k] for k in sorted(spans)]
     return detect_steps(name, start, dur, parent) if len(name) else []
 
 
-def _step_numbers(
-    step_names: list[str | None], start: np.ndarray[Any, Any], steps: list[StepSpan]
-) -> list[Any]:
+def _step_numbers(step_names: list[str | None], start: np.ndarray[Any, Any], steps: list[StepSpan]) -> list[Any]:
     by_time = assign_steps(start, steps)
     out: list[Any] = []
     for i, s in enumerate(step_names):
