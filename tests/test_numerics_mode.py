@@ -17,8 +17,9 @@ from tpudiag.collectors.numerics.sampling import Budget, SamplingOptions  # noqa
 from tpudiag.model import OpDiff, OpRecord  # noqa: E402
 
 
-def run(fn: Callable[[], Any], options: SamplingOptions | None = None, **ctx: Any) -> tuple[Any, list[OpRecord],
-                                                                                             list[OpDiff]]:
+def run(
+    fn: Callable[[], Any], options: SamplingOptions | None = None, **ctx: Any
+) -> tuple[Any, list[OpRecord], list[OpDiff]]:
     recorder = Recorder("t", None)
     mode = NumericsMode(Context(run_id="t", **ctx), options or SamplingOptions(mode="all"), recorder)
     with mode:
@@ -94,12 +95,12 @@ def test_faulty_kernel_is_originator_and_shadow_flows_through_views_and_backward
         return z
 
     _, ops, diffs = run(body)
-    tanh_op, tanh_diffs = by_op(ops, diffs, "aten::tanh")[0]
+    _, tanh_diffs = by_op(ops, diffs, "aten::tanh")[0]
     assert tanh_diffs[0].verdict == "fail" and tanh_diffs[0].role == "originator"
     assert tanh_diffs[0].max_rel == pytest.approx(3e-3, rel=0.02)
     view = [o for o in ops if o.op == "aten::t" and o.phase == "forward"]
     assert view and view[0].skip_reason == "view"
-    mul_op, mul_diffs = by_op(ops, diffs, "aten::mul")[0]
+    _, mul_diffs = by_op(ops, diffs, "aten::mul")[0]
     assert mul_diffs[0].verdict == "pass" and mul_diffs[0].role == "propagator"
     assert (mul_diffs[0].propagated_error or 0) > 1000
     originators = {o.op for o in ops for d in diffs if d.seq == o.seq and d.role == "originator"}
@@ -180,8 +181,7 @@ def test_sampling_filters_and_budget_aggregate_skips() -> None:
     assert [o.calls for o in ops if o.op == "aten::tanh" and o.skip_reason == "filtered"] == [10]
 
     recorder = Recorder("t", None)
-    mode = NumericsMode(Context(run_id="t"), SamplingOptions(mode="all", budget_pct=1e-9), recorder,
-                        Budget(pct=1e-9))
+    mode = NumericsMode(Context(run_id="t"), SamplingOptions(mode="all", budget_pct=1e-9), recorder, Budget(pct=1e-9))
     with mode:
         body()
     ops, _ = recorder.drain(final=True)
@@ -191,8 +191,9 @@ def test_sampling_filters_and_budget_aggregate_skips() -> None:
 def test_users_tensors_and_results_are_bitwise_unchanged_by_the_checker() -> None:
     def train() -> dict[str, Any]:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
-                                    torch.nn.Linear(16, 4))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(12, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+        )
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         data = torch.randn(8, 12)
         keep = data.clone()
@@ -207,9 +208,13 @@ def test_users_tensors_and_results_are_bitwise_unchanged_by_the_checker() -> Non
         buf = torch.empty(8, 4)
         torch.mul(out.detach(), 2.0, out=buf)
         buf.add_(1.0)
-        return {"params": [p.detach().clone() for p in model.parameters()],
-                "grads": [p.grad.clone() for p in model.parameters() if p.grad is not None],
-                "losses": losses, "buf": buf, "data_same": torch.equal(data, keep)}
+        return {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "grads": [p.grad.clone() for p in model.parameters() if p.grad is not None],
+            "losses": losses,
+            "buf": buf,
+            "data_same": torch.equal(data, keep),
+        }
 
     plain = train()
     checked, ops, diffs = run(train)

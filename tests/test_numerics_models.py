@@ -106,14 +106,17 @@ def _forward_line(cls_name: str, needle: str) -> str:
 
 
 def test_gpt2_faulty_tanh_is_the_first_divergence_and_only_originator(tmp_path: Path) -> None:
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         lib = inject("tanh", exact_tanh)
         torch.manual_seed(0)
         model = gpt2()
         ids = torch.randint(0, 100, (2, 16))
         out = model(ids, labels=ids)
         out.loss.backward()
-    """)
+    """,
+    )
     data = _capture(tmp_path, script, "--numerics", "all")
     num = data["numerics"]
     first = num["first_divergence"]
@@ -145,14 +148,17 @@ def test_gpt2_faulty_tanh_is_the_first_divergence_and_only_originator(tmp_path: 
 
 
 def test_bert_faulty_gelu_and_text_report_leads_with_it(tmp_path: Path) -> None:
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         lib = inject("gelu", exact_gelu)
         torch.manual_seed(0)
         model = bert()
         ids = torch.randint(0, 100, (2, 12))
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
-    """)
+    """,
+    )
     data = _capture(tmp_path, script)  # default sampling
     num = data["numerics"]
     first = num["first_divergence"]
@@ -168,13 +174,16 @@ def test_bert_faulty_gelu_and_text_report_leads_with_it(tmp_path: Path) -> None:
 
 
 def test_clean_fp32_models_report_zero_divergent_ops(tmp_path: Path) -> None:
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         torch.manual_seed(0)
         for model, ids in ((gpt2(), torch.randint(0, 100, (2, 16))), (bert(), torch.randint(0, 100, (2, 12)))):
             out = model(input_ids=ids, labels=ids)
             out.loss.backward()
             torch.optim.AdamW(model.parameters(), lr=1e-3).step()
-    """)
+    """,
+    )
     data = _capture(tmp_path, script, "--numerics", "all")
     num = data["numerics"]
     assert num["first_divergence"] is None
@@ -190,7 +199,9 @@ def test_clean_fp32_models_report_zero_divergent_ops(tmp_path: Path) -> None:
 
 
 def test_fp16_overflow_is_its_own_verdict_at_the_overflowing_op(tmp_path: Path) -> None:
-    script = _script(tmp_path, """
+    script = _script(
+        tmp_path,
+        """
         torch.manual_seed(0)
         model = gpt2()
         with torch.no_grad():
@@ -198,7 +209,8 @@ def test_fp16_overflow_is_its_own_verdict_at_the_overflowing_op(tmp_path: Path) 
         model = model.half()
         out = model(torch.randint(0, 100, (2, 16)))
         print("finite logits:", bool(torch.isfinite(out.logits).all()))
-    """)
+    """,
+    )
     data = _capture(tmp_path, script, "--numerics", "all")
     first = data["numerics"]["first_divergence"]
     assert first["verdict"] == "overflow" and first["role"] == "originator"
@@ -212,7 +224,8 @@ def test_fp16_overflow_is_its_own_verdict_at_the_overflowing_op(tmp_path: Path) 
 @pytest.mark.slow
 def test_torch_compile_still_compiles_under_the_collector(tmp_path: Path) -> None:
     script = tmp_path / "compiled.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import torch
         from torch._dynamo.utils import counters
 
@@ -226,10 +239,12 @@ def test_torch_compile_still_compiles_under_the_collector(tmp_path: Path) -> Non
         eager = torch.tanh(x @ w).sin() * 2
         print("graphs", counters["stats"]["unique_graphs"], "frames", counters["frames"]["ok"])
         print("same", bool(torch.equal(y, eager)))
-    """))
+    """)
+    )
     db = tmp_path / "store.duckdb"
-    proc = run_tpudiag("capture", "--db", str(db), "--collect", "numerics", "--numerics", "all", str(script),
-                       cwd=tmp_path)
+    proc = run_tpudiag(
+        "capture", "--db", str(db), "--collect", "numerics", "--numerics", "all", str(script), cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     assert "graphs 1 frames 1" in proc.stdout, proc.stdout
     data = json.loads(run_tpudiag("report", "--db", str(db), "--json", cwd=tmp_path).stdout)

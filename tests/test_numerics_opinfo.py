@@ -78,8 +78,10 @@ if __name__ == "__main__":
     by_seq = {o.seq: o for o in ops}
     compared = [d for d in diffs if d.verdict != "skip"]
     flagged = [d for d in compared if d.verdict not in ("pass",)]
-    print(f"{time.time() - t0:.1f}s ops {len(ops)} checked {sum(o.checked for o in ops)} compared {len(compared)} "
-          f"flagged {len(flagged)} sample errors {res['sample_errors']}")
+    print(
+        f"{time.time() - t0:.1f}s ops {len(ops)} checked {sum(o.checked for o in ops)} compared {len(compared)} "
+        f"flagged {len(flagged)} sample errors {res['sample_errors']}"
+    )
     print(collections.Counter(o.skip_reason for o in ops if not o.checked))
     for d in flagged:
         o = by_seq[d.seq]

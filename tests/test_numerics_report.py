@@ -14,15 +14,32 @@ from tpudiag.store import Store
 
 
 def _op(run_id: str, seq: int, op: str, **kw: Any) -> OpRecord:
-    fields: dict[str, Any] = {"run_id": run_id, "seq": seq, "op": op, "checked": True, "phase": "forward",
-                              "module": "m.a", "source_loc": "model.py:10", "flops": 10.0, "kind": "elementwise"}
+    fields: dict[str, Any] = {
+        "run_id": run_id,
+        "seq": seq,
+        "op": op,
+        "checked": True,
+        "phase": "forward",
+        "module": "m.a",
+        "source_loc": "model.py:10",
+        "flops": 10.0,
+        "kind": "elementwise",
+    }
     fields.update(kw)
     return OpRecord(**fields)
 
 
 def _diff(run_id: str, seq: int, verdict: str = "pass", **kw: Any) -> OpDiff:
-    fields: dict[str, Any] = {"run_id": run_id, "seq": seq, "output_index": 0, "verdict": verdict,
-                              "dtype": "float32", "scaled_error": 1.0, "threshold": 32.0, "numel": 4}
+    fields: dict[str, Any] = {
+        "run_id": run_id,
+        "seq": seq,
+        "output_index": 0,
+        "verdict": verdict,
+        "dtype": "float32",
+        "scaled_error": 1.0,
+        "threshold": 32.0,
+        "numel": 4,
+    }
     fields.update(kw)
     return OpDiff(**fields)
 
@@ -42,8 +59,14 @@ def _store(db: Path) -> tuple[Store, dict[str, Any]]:
     ]
     diffs = [
         _diff(rid, 1),
-        _diff(rid, 3, "expected_precision", scaled_error=900.0, emulated_error=800.0,
-              precision=json.dumps({"float32_matmul_precision": "medium"})),
+        _diff(
+            rid,
+            3,
+            "expected_precision",
+            scaled_error=900.0,
+            emulated_error=800.0,
+            precision=json.dumps({"float32_matmul_precision": "medium"}),
+        ),
         _diff(rid, 4, "fail", role="originator", scaled_error=25000.0, max_rel=3e-3, repro_path="x"),
         _diff(rid, 5, "pass", role="propagator", propagated_error=5000.0),
         _diff(rid, 9, "pass"),
@@ -74,7 +97,12 @@ def test_first_divergence_is_the_first_real_fault_not_expected_precision(db: Pat
     assert sec is not None
     first = sec["first_divergence"]
     assert (first["seq"], first["op"], first["module"], first["source"], first["role"]) == (
-        4, "aten::tanh", "m.act", "act.py:7", "originator")
+        4,
+        "aten::tanh",
+        "m.act",
+        "act.py:7",
+        "originator",
+    )
     assert first["metrics"]["scaled_error"] == 25000.0 and first["repro"] == f"tpudiag repro {run['id']} 4"
     assert [e["seq"] for e in sec["divergent_ops"]] == [3, 4, 5]
     assert sec["divergent_ops"][0]["verdict"] == "expected_precision"
@@ -109,7 +137,7 @@ def test_report_registers_the_section() -> None:
 
 
 def test_repro_errors_are_one_line(db: Path, tmp_path: Path) -> None:
-    store, run = _store(db)
+    _, run = _store(db)
     no_inputs = run_tpudiag("repro", "--db", str(db), run["id"], "5", cwd=tmp_path)
     assert no_inputs.returncode == 2 and no_inputs.stderr.count("\n") == 1
     assert "no saved inputs" in no_inputs.stderr

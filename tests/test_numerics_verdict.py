@@ -16,19 +16,34 @@ from tpudiag.analysis.verdict import (
     role,
     threshold,
 )
-from tpudiag.collectors.numerics.sampling import Budget, Sampler, SamplingOptions, module_matches, op_matches
-from tpudiag.collectors.numerics.sampling import parse_options
+from tpudiag.collectors.numerics.sampling import (
+    Budget,
+    Sampler,
+    SamplingOptions,
+    module_matches,
+    op_matches,
+    parse_options,
+)
 from tpudiag.errors import UsageError
 
 
 @pytest.mark.parametrize(
     ("op", "kind"),
     [
-        ("aten::tanh", "elementwise"), ("aten::add_.Tensor", "elementwise"), ("aten::detach", "elementwise"),
-        ("aten::tanh_backward", "elementwise"), ("aten::sum.dim_IntList", "reduction"), ("aten::det", "reduction"),
-        ("aten::mm", "matmul"), ("aten::convolution_backward", "matmul"), ("aten::native_layer_norm", "normalization"),
-        ("aten::_softmax", "normalization"), ("aten::eq.Tensor", "discrete"), ("aten::_to_copy", "copy"),
-        ("aten::polygamma", "special"), ("aten::avg_pool2d_backward", "reduction"),
+        ("aten::tanh", "elementwise"),
+        ("aten::add_.Tensor", "elementwise"),
+        ("aten::detach", "elementwise"),
+        ("aten::tanh_backward", "elementwise"),
+        ("aten::sum.dim_IntList", "reduction"),
+        ("aten::det", "reduction"),
+        ("aten::mm", "matmul"),
+        ("aten::convolution_backward", "matmul"),
+        ("aten::native_layer_norm", "normalization"),
+        ("aten::_softmax", "normalization"),
+        ("aten::eq.Tensor", "discrete"),
+        ("aten::_to_copy", "copy"),
+        ("aten::polygamma", "special"),
+        ("aten::avg_pool2d_backward", "reduction"),
     ],
 )
 def test_op_kind(op: str, kind: str) -> None:
@@ -75,8 +90,10 @@ def test_decide_normalises_by_the_cpu_kernel_at_the_device_dtype() -> None:
         "fail"
     )
     # k = 3 for 16-bit floats.
-    assert decide(Evidence(dtype="bfloat16", kind="elementwise", scaled_error=100.0, ref_scaled_error=34.0)).verdict \
+    assert (
+        decide(Evidence(dtype="bfloat16", kind="elementwise", scaled_error=100.0, ref_scaled_error=34.0)).verdict
         == "pass"
+    )
 
 
 def test_decide_expected_precision_only_with_an_emulated_error() -> None:

@@ -10,14 +10,28 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tpudiag.store import Store
-from tpudiag.store import numerics_queries
+from tpudiag.store import Store, numerics_queries
 
 MAX_LISTED = 200
 METRIC_KEYS = (
-    "max_abs", "max_rel", "mean_abs", "rmse", "cosine", "max_ulp", "mean_ulp", "scaled_error", "ref_scaled_error",
-    "propagated_error", "threshold", "emulated_error", "nan_device", "inf_device", "nan_oracle", "inf_oracle",
-    "mismatch_rate", "numel",
+    "max_abs",
+    "max_rel",
+    "mean_abs",
+    "rmse",
+    "cosine",
+    "max_ulp",
+    "mean_ulp",
+    "scaled_error",
+    "ref_scaled_error",
+    "propagated_error",
+    "threshold",
+    "emulated_error",
+    "nan_device",
+    "inf_device",
+    "nan_oracle",
+    "inf_oracle",
+    "mismatch_rate",
+    "numel",
 )
 SETTINGS_FILE = Path("numerics") / "settings.json"
 
@@ -115,8 +129,9 @@ def _fmt(v: Any) -> str:
 
 
 def _describe(e: dict[str, Any]) -> str:
-    return (f"seq {e['seq']} {e['op']} in {e['module'] or '(no module)'} ({e['phase']}), "
-            f"{e['source'] or 'source unknown'}")
+    return (
+        f"seq {e['seq']} {e['op']} in {e['module'] or '(no module)'} ({e['phase']}), {e['source'] or 'source unknown'}"
+    )
 
 
 def render_section(section: dict[str, Any]) -> list[str]:
@@ -139,8 +154,10 @@ def render_section(section: dict[str, Any]) -> list[str]:
     if cov.get("warning"):
         lines.append(f"  WARNING: {cov['warning']}")
     skipped = ", ".join(f"{k} {v}" for k, v in cov["skipped"].items()) or "none"
-    lines.append(f"  coverage: {cov['ops_checked']} of {cov['ops_seen']} op calls checked "
-                 f"({_fmt(cov['flops_checked'])} of {_fmt(cov['flops_seen'])} FLOPs); skipped: {skipped}")
+    lines.append(
+        f"  coverage: {cov['ops_checked']} of {cov['ops_seen']} op calls checked "
+        f"({_fmt(cov['flops_checked'])} of {_fmt(cov['flops_seen'])} FLOPs); skipped: {skipped}"
+    )
     if cov.get("outputs_skipped"):
         lines.append("  outputs not compared: " + ", ".join(f"{k} {v}" for k, v in cov["outputs_skipped"].items()))
     if cov.get("compiled_frames"):
@@ -151,12 +168,18 @@ def render_section(section: dict[str, Any]) -> list[str]:
     propagators = [e for e in entries if e["role"] == "propagator"]
     if originators:
         lines.append(f"  originators ({len(originators)}):")
-        lines += [f"    {_describe(e)}: {e['verdict']}, scaled error {_fmt(e['metrics'].get('scaled_error'))}"
-                  for e in originators[:20]]
+        lines += [
+            f"    {_describe(e)}: {e['verdict']}, scaled error {_fmt(e['metrics'].get('scaled_error'))}"
+            for e in originators[:20]
+        ]
     if expected:
-        lines.append(f"  expected precision loss ({len(expected)}): "
-                     + ", ".join(f"seq {e['seq']} {e['op']}" for e in expected[:10]))
+        lines.append(
+            f"  expected precision loss ({len(expected)}): "
+            + ", ".join(f"seq {e['seq']} {e['op']}" for e in expected[:10])
+        )
     if propagators:
-        lines.append(f"  propagators: {cov['divergent'].get('propagator', len(propagators))} op calls carry the "
-                     "divergence onward (correct from their own inputs)")
+        lines.append(
+            f"  propagators: {cov['divergent'].get('propagator', len(propagators))} op calls carry the "
+            "divergence onward (correct from their own inputs)"
+        )
     return lines

@@ -30,9 +30,7 @@ def emulations_for(device_kind: str, precision: dict[str, Any]) -> tuple[str, ..
         return () if "HIGHEST" in tpu else ("bf16",)
     if device_kind == "cuda":
         out: list[str] = []
-        if precision.get("cuda_matmul_allow_tf32") or precision.get("cudnn_allow_tf32") or (
-            matmul_precision == "high"
-        ):
+        if precision.get("cuda_matmul_allow_tf32") or precision.get("cudnn_allow_tf32") or (matmul_precision == "high"):
             out.append("tf32")
         if matmul_precision == "medium":
             out.append("bf16")
@@ -85,7 +83,7 @@ class _BackwardModules:
             leaves, _ = tree_flatten(output)
             todo = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
             while todo:
-                node = todo.pop()
+                node: Any = todo.pop()
                 if node is None or _NODE_KEY in node.metadata:
                     continue
                 node.metadata[_NODE_KEY] = path
@@ -99,7 +97,7 @@ class _BackwardModules:
         if node is None:
             return None
         with contextlib.suppress(Exception):
-            value = node.metadata.get(_NODE_KEY)
+            value = node.metadata.get(_NODE_KEY)  # type: ignore[attr-defined]
             return str(value) if value is not None else None
         return None
 
@@ -119,6 +117,8 @@ class NumericsCollector:
         self._progress: threading.Thread | None = None
         self._entered = False
         self._settings: dict[str, Any] = {}
+        self._detach_hook: Any = None
+        self._detached_at: int | None = None
 
     # -- plugin protocol --------------------------------------------------------------------------------------
     def is_available(self) -> bool:
@@ -156,17 +156,29 @@ class NumericsCollector:
         if options.budget_pct is not None:
             budget.per_op_overhead_s = _calibrate_overhead()
         mctx = Context(
-            run_id=ctx.run_id, device_kind=device_kind, emulations=emulations_for(device_kind, precision),
-            precision_json=json.dumps(precision, sort_keys=True), module_of=module_of,
+            run_id=ctx.run_id,
+            device_kind=device_kind,
+            emulations=emulations_for(device_kind, precision),
+            precision_json=json.dumps(precision, sort_keys=True),
+            module_of=module_of,
             on_divergence=self._announce,
         )
         self._mode = NumericsMode(mctx, options, self._recorder, budget)
         self._settings = {
-            "sampling": {"mode": options.mode, "first_k": options.first_k, "ops": list(options.ops),
-                         "modules": list(options.modules), "budget_pct": options.budget_pct},
+            "sampling": {
+                "mode": options.mode,
+                "first_k": options.first_k,
+                "ops": list(options.ops),
+                "modules": list(options.modules),
+                "budget_pct": options.budget_pct,
+            },
             "precision": {"device_kind": device_kind, "emulated_matmul_units": list(mctx.emulations)},
         }
         self._register_compile_callback()
+        if options.budget_pct is not None:
+            from torch.nn.modules import module as nn_module
+
+            self._detach_hook = nn_module.register_module_forward_pre_hook(self._maybe_detach)
         if options.enabled:
             self._mode.__enter__()
             self._entered = True
@@ -181,32 +193,43 @@ class NumericsCollector:
     def stop(self) -> None:
         if self._ctx is None:
             return
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
+        mode: Any = self._mode
+        if mode is not None:
+            mode.active = False  # whatever happens below, nothing more is checked
         if self._entered:
-            if _get_current_dispatch_mode() is self._mode:
-                self._mode.__exit__(None, None, None)
+            if _on_top(mode):
+                mode.__exit__(None, None, None)
             else:
-                self._ctx.note("numerics: the script left a dispatch mode of its own active; tpudiag's was kept")
+                self._ctx.note("numerics: the script left a dispatch mode of its own active above tpudiag's")
             self._entered = False
         self._progress_stop.set()
         if self._progress is not None:
             self._progress.join(timeout=5)
         self._clear_progress()
-        for part in (self._tracker, self._backward):
+        parts: list[Any] = [self._tracker, self._backward, self._detach_hook]
+        for part in parts:
             with contextlib.suppress(Exception):
                 part.remove()
         self._unregister_compile_callback()
         self._write(final=True)
         f = self._recorder.findings
-        self._settings.update({
-            "compiled_frames": self._compiles, "seconds_checking": round(self._mode.budget.extra_s, 3),
-            "shadow_dropped": self._mode.shadow.dropped,
-        })
+        self._settings.update(
+            {
+                "compiled_frames": self._compiles,
+                "seconds_checking": round(self._mode.budget.extra_s, 3),
+                "shadow_dropped": self._mode.shadow.dropped,
+            }
+        )
         self._settings["precision"]["autocast_seen"] = sorted(self._mode.autocast_seen)
         path = self._ctx.run_dir / "numerics" / "settings.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self._settings, indent=1))
+        if self._detached_at is not None:
+            self._settings["detached_after_ops"] = self._detached_at
+            self._ctx.note(
+                f"numerics: stopped watching ops after {self._detached_at}: the dispatch mode's own cost exceeded "
+                "--budget (ops after that were neither seen nor checked)"
+            )
         if self._compiles:
             self._ctx.note(
                 f"numerics: {self._compiles} torch.compile frame(s) compiled normally; their fused kernels are "
@@ -218,11 +241,23 @@ class NumericsCollector:
             self._ctx.note(f"numerics: WARNING: {f.seen} ops seen but none checked (see the report's coverage)")
         sys.stderr.write(
             f"tpudiag: numerics: {f.seen} ops seen, {f.checked} checked, {f.originators} originator(s)"
-            + (f", first divergence {f.first}" if f.first else "") + "\n"
+            + (f", first divergence {f.first}" if f.first else "")
+            + "\n"
         )
         sys.stderr.flush()
 
     # -- helpers ----------------------------------------------------------------------------------------------
+    def _maybe_detach(self, module: Any, args: Any) -> None:
+        """Leave the dispatch stack when the mode alone costs more than --budget (a module boundary is safe)."""
+        mode: Any = self._mode
+        if not self._entered or mode is None or not mode.detach_requested:
+            return
+        if _on_top(mode):
+            mode.__exit__(None, None, None)
+            mode.active = False
+            self._entered = False
+            self._detached_at = mode.seq
+
     def _write(self, final: bool) -> None:
         from tpudiag.model import OpDiff, OpRecord
 
@@ -245,8 +280,10 @@ class NumericsCollector:
         interval = PROGRESS_INTERVAL_TTY_S if tty else PROGRESS_INTERVAL_PIPE_S
         while not self._progress_stop.wait(interval):
             f = self._recorder.findings
-            line = (f"tpudiag numerics: {f.seen:,} ops seen, {f.checked:,} checked, {f.originators} originator(s), "
-                    f"{f.divergent} divergent")
+            line = (
+                f"tpudiag numerics: {f.seen:,} ops seen, {f.checked:,} checked, {f.originators} originator(s), "
+                f"{f.divergent} divergent"
+            )
             with contextlib.suppress(Exception):
                 if tty:
                     sys.stderr.write("\r" + line[:120] + "\033[K")
@@ -278,12 +315,20 @@ class NumericsCollector:
             callback_handler.remove_start_callback(self._compile_cb)
 
 
+def _on_top(mode: Any) -> bool:
+    """Whether ``mode`` is the innermost dispatch mode (the only one that may be exited)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    current: Any = _get_current_dispatch_mode()
+    return current is mode
+
+
 def _calibrate_overhead(calls: int = 300) -> float:
     """Seconds a pass-through dispatch mode adds to one small op (charged to the budget per op seen)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class _Pass(TorchDispatchMode):
+    class _Pass(TorchDispatchMode):  # type: ignore[no-untyped-call]
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             return func(*args, **(kwargs or {}))
 
@@ -292,7 +337,7 @@ def _calibrate_overhead(calls: int = 300) -> float:
     for _ in range(calls):
         torch.add(x, x)
     plain = time.perf_counter() - t0
-    with _Pass():
+    with _Pass():  # type: ignore[no-untyped-call]
         t0 = time.perf_counter()
         for _ in range(calls):
             torch.add(x, x)

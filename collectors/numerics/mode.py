@@ -35,13 +35,16 @@ from tpudiag.model import OpDiff, OpRecord
 
 DEFAULT_SIZE_CAP = 1 << 24
 # Kinds whose outputs combine terms, so cancellation can make a correct result tiny against its rounding error.
-CANCELLING_KINDS = ("reduction", "matmul", "normalization", "elementwise", "special")  # elements per op (inputs and outputs): larger calls are skipped as "size_cap"
+CANCELLING_KINDS = (
+    "reduction",
+    "matmul",
+    "normalization",
+    "elementwise",
+    "special",
+)  # elements per op (inputs and outputs): larger calls are skipped as "size_cap"
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIRS = tuple(
-    os.path.dirname(os.path.abspath(p))
-    for p in (__file__, sys.modules["tpudiag"].__file__ or "")
-)
+_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(p)) for p in (__file__, sys.modules["tpudiag"].__file__ or ""))
 _SKIP_PREFIXES = (_TORCH_DIR, *_OWN_DIRS, os.path.dirname(os.__file__) + os.sep + "contextlib")
 
 
@@ -90,14 +93,24 @@ class Context:
     on_divergence: Callable[[OpRecord, OpDiff], None] | None = None
 
 
-class NumericsMode(TorchDispatchMode):
+class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, ctx: Context, options: SamplingOptions, recorder: Recorder,
-                 budget: Budget | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        ctx: Context,
+        options: SamplingOptions,
+        recorder: Recorder,
+        budget: Budget | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.active = True
+        # Set when the mode's own per-op cost alone exceeds --budget: the collector then leaves the dispatch
+        # stack at the next module boundary (a mode cannot pop itself from inside __torch_dispatch__).
+        self.detach_requested = False
         self.ctx = ctx
         self.options = options
         self.recorder = recorder
@@ -110,14 +123,17 @@ class NumericsMode(TorchDispatchMode):
         self.autocast_seen: set[str] = set()
 
     # -- dispatch -------------------------------------------------------------------------------------------
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():
+        if not self.active or torch.compiler.is_compiling():
             return func(*args, **kwargs)
         self.seq += 1
         seq = self.seq
         self.budget.ops_seen += 1
+        if seq % 256 == 0 and self.budget.passthrough_over(self.clock() - self.started):
+            self.detach_requested = True
         self.recorder.findings.seen += 1
         plan = oracle.plan_for(func)
         phase = "backward" if torch._C._current_graph_task_id() >= 0 else "forward"
@@ -152,26 +168,60 @@ class NumericsMode(TorchDispatchMode):
         return None
 
     # -- unchecked calls ------------------------------------------------------------------------------------
-    def _unchecked(self, func: Any, plan: OpPlan, seq: int, module: str | None, phase: str, reason: str,
-                   args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, tensors: list[torch.Tensor]) -> None:
+    def _unchecked(
+        self,
+        func: Any,
+        plan: OpPlan,
+        seq: int,
+        module: str | None,
+        phase: str,
+        reason: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        tensors: list[torch.Tensor],
+    ) -> None:
         if len(self.shadow):
             self._carry_shadow(func, plan, args, kwargs, out, tensors)
         outputs = oracle.targets(plan, args, kwargs, out)
         if reason in ("sampled", "filtered", "budget", "off"):
             dtypes = json.dumps(sorted({dtype_name(t.dtype) for t in tensors}))
-            flops = _flops(func, args, kwargs, out, outputs) if plan.kind == "matmul" else float(
-                sum(t.numel() for t in outputs if isinstance(t, torch.Tensor)))
+            flops = (
+                _flops(func, args, kwargs, out, outputs)
+                if plan.kind == "matmul"
+                else float(sum(t.numel() for t in outputs if isinstance(t, torch.Tensor)))
+            )
             self.recorder.aggregate(seq, plan.name, phase, module, reason, flops, dtypes)
             return
         dtypes, shapes = describe_inputs(tensors)
-        self.recorder.op(OpRecord(
-            run_id=self.ctx.run_id, seq=seq, op=plan.name, overload=plan.overload, module=module, phase=phase,
-            source_loc=user_source(3), dtypes=dtypes, shapes=shapes, device=_device(tensors), checked=False,
-            skip_reason=reason, flops=_flops(func, args, kwargs, out, outputs), kind=plan.kind,
-        ))
+        self.recorder.op(
+            OpRecord(
+                run_id=self.ctx.run_id,
+                seq=seq,
+                op=plan.name,
+                overload=plan.overload,
+                module=module,
+                phase=phase,
+                source_loc=user_source(3),
+                dtypes=dtypes,
+                shapes=shapes,
+                device=_device(tensors),
+                checked=False,
+                skip_reason=reason,
+                flops=_flops(func, args, kwargs, out, outputs),
+                kind=plan.kind,
+            )
+        )
 
-    def _carry_shadow(self, func: Any, plan: OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
-                      tensors: list[torch.Tensor]) -> None:
+    def _carry_shadow(
+        self,
+        func: Any,
+        plan: OpPlan,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        tensors: list[torch.Tensor],
+    ) -> None:
         """Views of a tensor with a shadow get the same view of the shadow; anything else loses its shadow."""
         if plan.is_view and plan.skip == "view" and tensors and isinstance(out, torch.Tensor):
             src = self.shadow.get(tensors[0])
@@ -189,8 +239,17 @@ class NumericsMode(TorchDispatchMode):
                 self.shadow.forget(w)
 
     # -- checked calls --------------------------------------------------------------------------------------
-    def _check(self, func: Any, plan: OpPlan, seq: int, module: str | None, phase: str, args: tuple[Any, ...],
-               kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> Any:
+    def _check(
+        self,
+        func: Any,
+        plan: OpPlan,
+        seq: int,
+        module: str | None,
+        phase: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tensors: list[torch.Tensor],
+    ) -> Any:
         t0 = self.clock()
         snap: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         if plan.mutates:
@@ -210,13 +269,25 @@ class NumericsMode(TorchDispatchMode):
         outputs = oracle.targets(plan, args, kwargs, out)
         dtypes, shapes = describe_inputs(tensors)
         record = OpRecord(
-            run_id=self.ctx.run_id, seq=seq, op=plan.name, overload=plan.overload, module=module, phase=phase,
-            source_loc=None, dtypes=dtypes, shapes=shapes, device=_device(tensors), checked=True,
-            flops=_flops(func, args, kwargs, out, outputs), kind=plan.kind, duration_ns=int(op_s * 1e9),
+            run_id=self.ctx.run_id,
+            seq=seq,
+            op=plan.name,
+            overload=plan.overload,
+            module=module,
+            phase=phase,
+            source_loc=None,
+            dtypes=dtypes,
+            shapes=shapes,
+            device=_device(tensors),
+            checked=True,
+            flops=_flops(func, args, kwargs, out, outputs),
+            kind=plan.kind,
+            duration_ns=int(op_s * 1e9),
         )
         try:
-            diffs = self._compare(func, plan, seq, record, src_args, src_kwargs, args, kwargs, outputs, tensors,
-                                  shadow_subst)
+            diffs = self._compare(
+                func, plan, seq, record, src_args, src_kwargs, args, kwargs, outputs, tensors, shadow_subst
+            )
         except _OracleFailed as failed:
             record = _replace(record, checked=False, skip_reason=failed.reason)
             diffs = []
@@ -230,10 +301,20 @@ class NumericsMode(TorchDispatchMode):
             snap = (src_args, src_kwargs)
         if divergent and any(d.role == "originator" for d in divergent):
             cpu_args, cpu_kwargs = snap if snap is not None else oracle.convert(args, kwargs, lambda d: d)
-            path = self.recorder.save_repro(seq, func, cpu_args, cpu_kwargs, {
-                "module": module, "phase": phase, "source": record.source_loc, "device": self.ctx.device_kind,
-                "dtypes": dtypes, "run_id": self.ctx.run_id,
-            })
+            path = self.recorder.save_repro(
+                seq,
+                func,
+                cpu_args,
+                cpu_kwargs,
+                {
+                    "module": module,
+                    "phase": phase,
+                    "source": record.source_loc,
+                    "device": self.ctx.device_kind,
+                    "dtypes": dtypes,
+                    "run_id": self.ctx.run_id,
+                },
+            )
             if path is not None:
                 diffs = [_replace(d, repro_path=path) if d.role == "originator" else d for d in diffs]
         self.recorder.findings.checked += record.checked
@@ -249,25 +330,39 @@ class NumericsMode(TorchDispatchMode):
                     self.ctx.on_divergence(record, divergent[0])
         return out
 
-    def _compare(self, func: Any, plan: OpPlan, seq: int, record: OpRecord, src_args: tuple[Any, ...],
-                 src_kwargs: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], outputs: list[Any],
-                 tensors: list[torch.Tensor], shadow_subst: dict[int, torch.Tensor]) -> list[OpDiff]:
+    def _compare(
+        self,
+        func: Any,
+        plan: OpPlan,
+        seq: int,
+        record: OpRecord,
+        src_args: tuple[Any, ...],
+        src_kwargs: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        outputs: list[Any],
+        tensors: list[torch.Tensor],
+        shadow_subst: dict[int, torch.Tensor],
+    ) -> list[OpDiff]:
         storage = plan.name.split("::")[-1] in oracle.STORAGE_OPS
         convert = oracle.convert_storage_faithful if storage else oracle.convert
-        a64, k64, expected = self._run(func, plan, src_args, src_kwargs, convert, oracle.float64_of)
+        _, _, expected = self._run(func, plan, src_args, src_kwargs, convert, oracle.float64_of)
         if len(expected) != len(outputs):
             raise _OracleFailed("output_mismatch")
         reference: list[Any] | None = None
-        if self.ctx.device_kind != "cpu" and any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
-                                                 for t in outputs):
+        if self.ctx.device_kind != "cpu" and any(
+            isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in outputs
+        ):
             try:
                 reference = self._run(func, plan, src_args, src_kwargs, convert, lambda d: d)[2]
             except _OracleFailed:
                 reference = None
         shadowed: list[Any] | None = None
         if shadow_subst:
-            by_id = {id(t): s for t, s in zip(oracle.tensors_in(args, kwargs),
-                                              oracle.tensors_in(src_args, src_kwargs), strict=False)}
+            by_id = {
+                id(t): s
+                for t, s in zip(oracle.tensors_in(args, kwargs), oracle.tensors_in(src_args, src_kwargs), strict=False)
+            }
 
             def substitute(x: torch.Tensor) -> torch.Tensor | None:
                 if id(x) in shadow_subst:
@@ -289,17 +384,38 @@ class NumericsMode(TorchDispatchMode):
             if skip is None and dev_t.numel() > self.ctx.size_cap:
                 skip = "size_cap"
             if skip is not None:
-                diffs.append(OpDiff(run_id=self.ctx.run_id, seq=seq, output_index=i, verdict="skip",
-                                    dtype=dtype_name(dev_t.dtype), numel=int(dev_t.numel()), skip_reason=skip))
+                diffs.append(
+                    OpDiff(
+                        run_id=self.ctx.run_id,
+                        seq=seq,
+                        output_index=i,
+                        verdict="skip",
+                        dtype=dtype_name(dev_t.dtype),
+                        numel=int(dev_t.numel()),
+                        skip_reason=skip,
+                    )
+                )
                 continue
             device_cpu = dev_t.detach().to("cpu")
-            m = compare(device_cpu, exp_t)
-            ref_m = compare(oracle.as_tensor(reference[i]).to("cpu"), exp_t) if reference is not None else None
-            ev = Evidence(dtype=m.dtype, kind=plan.kind, scaled_error=m.scaled_error,
-                          ref_scaled_error=ref_m.scaled_error if ref_m else None, overflow=m.overflow,
-                          nonfinite_mismatch=m.nonfinite_mismatch, mismatch_rate=m.mismatch_rate,
-                          reduction_len=red_len)
+            m = compare(device_cpu, exp_t, detail=False)
+            ref_m = (
+                compare(oracle.as_tensor(reference[i]).to("cpu"), exp_t, detail=False)
+                if reference is not None
+                else None
+            )
+            ev = Evidence(
+                dtype=m.dtype,
+                kind=plan.kind,
+                scaled_error=m.scaled_error,
+                ref_scaled_error=ref_m.scaled_error if ref_m else None,
+                overflow=m.overflow,
+                nonfinite_mismatch=m.nonfinite_mismatch,
+                mismatch_rate=m.mismatch_rate,
+                reduction_len=red_len,
+            )
             verdict = decide(ev)
+            if verdict.verdict != "pass" and m.max_ulp is None and m.mismatch_rate is None:
+                m = compare(device_cpu, exp_t)  # the full metric set, for what will be reported
             if verdict.verdict == "fail" and plan.kind in CANCELLING_KINDS and m.max_abs is not None:
                 # Cancellation: a sum's rounding error is bounded by eps x the sum of the magnitudes of its terms,
                 # not by its (possibly tiny) result.  Re-scale by the op run on the inputs' absolute values.
@@ -317,11 +433,21 @@ class NumericsMode(TorchDispatchMode):
             prop_err: float | None = None
             prop_div = False
             if shadowed is not None and i < len(shadowed) and not is_discrete(dev_t.dtype):
-                sm = compare(device_cpu, oracle.as_tensor(shadowed[i]))
+                sm = compare(device_cpu, oracle.as_tensor(shadowed[i]), detail=False)
                 prop_err = sm.scaled_error
-                prop_div = decide(Evidence(dtype=sm.dtype, kind=plan.kind, scaled_error=sm.scaled_error,
-                                           overflow=sm.overflow, nonfinite_mismatch=sm.nonfinite_mismatch,
-                                           reduction_len=red_len)).verdict in DIVERGENT
+                prop_div = (
+                    decide(
+                        Evidence(
+                            dtype=sm.dtype,
+                            kind=plan.kind,
+                            scaled_error=sm.scaled_error,
+                            overflow=sm.overflow,
+                            nonfinite_mismatch=sm.nonfinite_mismatch,
+                            reduction_len=red_len,
+                        )
+                    ).verdict
+                    in DIVERGENT
+                )
                 if prop_div and isinstance(dev, torch.Tensor):
                     self.shadow.set(dev, oracle.as_tensor(shadowed[i]))
             if not prop_div and isinstance(dev, torch.Tensor):
@@ -329,14 +455,21 @@ class NumericsMode(TorchDispatchMode):
                     self.shadow.set(dev, exp_t)
                 else:
                     self.shadow.forget(dev)
-            diffs.append(self._diff_row(seq, i, m, ref_m, verdict, role(verdict.verdict, prop_div), prop_err,
-                                        emulated, plan))
+            diffs.append(
+                self._diff_row(seq, i, m, ref_m, verdict, role(verdict.verdict, prop_div), prop_err, emulated, plan)
+            )
         return diffs
 
-    def _run(self, func: Any, plan: OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any], convert: Any,
-             dtype_fn: Callable[[torch.dtype], torch.dtype],
-             substitute: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-             ) -> tuple[tuple[Any, ...], dict[str, Any], list[Any]]:
+    def _run(
+        self,
+        func: Any,
+        plan: OpPlan,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        convert: Any,
+        dtype_fn: Callable[[torch.dtype], torch.dtype],
+        substitute: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+    ) -> tuple[tuple[Any, ...], dict[str, Any], list[Any]]:
         try:
             if substitute is not None:
                 a, k = oracle.convert(args, kwargs, dtype_fn, substitute)
@@ -351,8 +484,9 @@ class NumericsMode(TorchDispatchMode):
             raise _OracleFailed(reason) from None
         return a, k, oracle.targets(plan, a, k, result)
 
-    def _magnitude(self, func: Any, plan: OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   index: int) -> float | None:
+    def _magnitude(
+        self, func: Any, plan: OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any], index: int
+    ) -> float | None:
         """max |op(|inputs|)| for output ``index``: the magnitude its rounding errors scale with."""
 
         def absolute(t: torch.Tensor) -> torch.Tensor | None:
@@ -367,8 +501,9 @@ class NumericsMode(TorchDispatchMode):
         except Exception:
             return None
 
-    def _emulated_error(self, func: Any, plan: OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any], index: int,
-                        expected: torch.Tensor) -> float | None:
+    def _emulated_error(
+        self, func: Any, plan: OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any], index: int, expected: torch.Tensor
+    ) -> float | None:
         best: float | None = None
         for _, cast in oracle.emulation_casts(list(self.ctx.emulations)):
             try:
@@ -381,19 +516,46 @@ class NumericsMode(TorchDispatchMode):
                 best = m.scaled_error if best is None else max(best, m.scaled_error)
         return best
 
-    def _diff_row(self, seq: int, index: int, m: OutputMetrics, ref: OutputMetrics | None, verdict: Verdict,
-                  op_role: str | None, prop_err: float | None, emulated: float | None, plan: OpPlan) -> OpDiff:
+    def _diff_row(
+        self,
+        seq: int,
+        index: int,
+        m: OutputMetrics,
+        ref: OutputMetrics | None,
+        verdict: Verdict,
+        op_role: str | None,
+        prop_err: float | None,
+        emulated: float | None,
+        plan: OpPlan,
+    ) -> OpDiff:
         return OpDiff(
-            run_id=self.ctx.run_id, seq=seq, output_index=index, verdict=verdict.verdict, role=op_role,
-            dtype=m.dtype, numel=m.numel, max_abs=m.max_abs, max_rel=m.max_rel, mean_abs=m.mean_abs, rmse=m.rmse,
-            cosine=m.cosine, max_ulp=m.max_ulp, mean_ulp=m.mean_ulp, scaled_error=m.scaled_error,
-            ref_scaled_error=ref.scaled_error if ref else None, propagated_error=prop_err,
-            threshold=verdict.threshold, nan_device=m.nan_device, inf_device=m.inf_device,
-            nan_oracle=m.nan_oracle, inf_oracle=m.inf_oracle, mismatch_rate=m.mismatch_rate, note=verdict.note,
+            run_id=self.ctx.run_id,
+            seq=seq,
+            output_index=index,
+            verdict=verdict.verdict,
+            role=op_role,
+            dtype=m.dtype,
+            numel=m.numel,
+            max_abs=m.max_abs,
+            max_rel=m.max_rel,
+            mean_abs=m.mean_abs,
+            rmse=m.rmse,
+            cosine=m.cosine,
+            max_ulp=m.max_ulp,
+            mean_ulp=m.mean_ulp,
+            scaled_error=m.scaled_error,
+            ref_scaled_error=ref.scaled_error if ref else None,
+            propagated_error=prop_err,
+            threshold=verdict.threshold,
+            nan_device=m.nan_device,
+            inf_device=m.inf_device,
+            nan_oracle=m.nan_oracle,
+            inf_oracle=m.inf_oracle,
+            mismatch_rate=m.mismatch_rate,
+            note=verdict.note,
             emulated_error=emulated,
             precision=self._precision_now() if plan.kind == "matmul" else None,
         )
-
 
     def _precision_now(self) -> str | None:
         """The run's matmul precision knobs plus the autocast state when this op ran."""

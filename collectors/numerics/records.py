@@ -62,8 +62,9 @@ class Recorder:
         with self._lock:
             self._diffs.extend(rows)
 
-    def aggregate(self, seq: int, op: str, phase: str | None, module: str | None, reason: str, flops: float,
-                  dtypes: str | None) -> None:
+    def aggregate(
+        self, seq: int, op: str, phase: str | None, module: str | None, reason: str, flops: float, dtypes: str | None
+    ) -> None:
         # Module kept only for filtered ops (the filter is by module); otherwise one row per op and phase.
         key = (op, phase, module if reason == "filtered" else None, reason)
         with self._lock:
@@ -83,16 +84,25 @@ class Recorder:
                 for (op, phase, module, reason), agg in self._aggregates.items():
                     ops.append(
                         OpRecord(
-                            run_id=self.run_id, seq=agg.seq, op=op, phase=phase, module=module, checked=False,
-                            skip_reason=reason, flops=agg.flops, calls=agg.calls, dtypes=agg.dtypes,
+                            run_id=self.run_id,
+                            seq=agg.seq,
+                            op=op,
+                            phase=phase,
+                            module=module,
+                            checked=False,
+                            skip_reason=reason,
+                            flops=agg.flops,
+                            calls=agg.calls,
+                            dtypes=agg.dtypes,
                         )
                     )
                 self._aggregates.clear()
         return ops, diffs
 
     # -- repro inputs ---------------------------------------------------------------------------------------
-    def save_repro(self, seq: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   meta: dict[str, Any]) -> str | None:
+    def save_repro(
+        self, seq: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], meta: dict[str, Any]
+    ) -> str | None:
         """Keep the CPU copies of a divergent op's inputs so ``tpudiag repro`` can build a bundle later."""
         if self.repro_dir is None or self._repro_count >= MAX_REPRO_BUNDLES:
             return None

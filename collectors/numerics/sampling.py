@@ -59,8 +59,7 @@ def parse_options(options: dict[str, Any]) -> SamplingOptions:
             raise UsageError(f"--budget {budget!r}: expected a percentage such as 20") from None
         if not budget_pct > 0:
             raise UsageError(f"--budget {budget!r}: must be more than 0 percent")
-    return SamplingOptions(mode, first_k, _patterns(options.get("ops")), _patterns(options.get("modules")),
-                           budget_pct)
+    return SamplingOptions(mode, first_k, _patterns(options.get("ops")), _patterns(options.get("modules")), budget_pct)
 
 
 def op_matches(name: str, patterns: tuple[str, ...]) -> bool:

@@ -10,6 +10,7 @@ ignored, which can only hide propagation, never invent it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -27,7 +28,7 @@ class _Entry:
 
 class ShadowStream:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        self._map: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._map: Any = WeakIdKeyDictionary()
         self._bytes = 0
         self.max_bytes = max_bytes
         self.dropped = 0

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tpudiag.errors import TpudiagError, UnknownRunError, UsageError
-from tpudiag.store import Store, queries, resolve_db_path
-from tpudiag.store import numerics_queries
+from tpudiag.store import Store, numerics_queries, queries, resolve_db_path
 
 SCRIPT = '''"""Re-run {op} (seq {seq} of run {run_id}: {module}, {phase}, {source}) and compare with float64.
 
@@ -104,8 +103,12 @@ def cmd_repro(args: Any, rest: list[str]) -> int:
         shutil.copyfile(saved, out / "inputs.pt")
         (out / "repro.py").write_text(
             SCRIPT.format(
-                op=detail["op"], seq=args.seq, run_id=run["id"], module=detail["module"] or "no module",
-                phase=detail["phase"], source=detail["source_loc"] or "source unknown",
+                op=detail["op"],
+                seq=args.seq,
+                run_id=run["id"],
+                module=detail["module"] or "no module",
+                phase=detail["phase"],
+                source=detail["source_loc"] or "source unknown",
                 device=(run.get("device_kind") or "cpu"),
             )
         )
