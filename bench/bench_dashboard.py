@@ -76,9 +76,7 @@ def event_part(run_id: str, lo: int, hi: int, rng: np.random.Generator, t0: int)
         "step": step,
         "module": _strings(modules, mod_idx.astype(np.int32)),
         "phase": _strings(["forward", "backward"], (ids % 3 == 0).astype(np.int32)),
-        "shapes": _strings(
-            ["[[64,1024],[1024,1024]]", "[[64,4096]]", "[[64,1024]]"], (ids % 3).astype(np.int32)
-        ),
+        "shapes": _strings(["[[64,1024],[1024,1024]]", "[[64,4096]]", "[[64,1024]]"], (ids % 3).astype(np.int32)),
         "dtypes": _strings(['["float","float"]'], np.zeros(n, np.int32)),
         "on_device": np.zeros(n, dtype=bool),
     }

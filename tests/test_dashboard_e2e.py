@@ -173,7 +173,12 @@ def test_hostile_names_render_as_text(tmp_path: Path) -> None:
         with serving(store.path) as url:
             chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
             page = chromium.new_page(viewport={"width": 1500, "height": 1100})
-            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+
+            def on_dialog(dialog: Any) -> None:
+                dialogs.append(dialog.message)
+                dialog.dismiss()
+
+            page.on("dialog", on_dialog)
             page.goto(f"{url}/slow-ops?run={built.run.id}")
             svg_text(page, "<img src=x onerror=alert(1)>")
             assert page.get_by_text(f"{HOSTILE} · {built.run.id} · ok", exact=True).count() == 1

@@ -219,9 +219,7 @@ class RichStore:
 
 def build_rich_store(path: Path) -> RichStore:
     store = Store(path)
-    base = with_compiles(
-        with_numerics(trace_run(make_run(name="base", started_at=1_700_000_100.0)), fail_at=17)
-    )
+    base = with_compiles(with_numerics(trace_run(make_run(name="base", started_at=1_700_000_100.0)), fail_at=17))
     cand = with_numerics(
         trace_run(make_run(name="cand", started_at=1_700_000_200.0), mm_scale=3.0, device=True), fail_at=None
     )

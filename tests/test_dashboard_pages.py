@@ -192,9 +192,7 @@ def test_compare_page(rich: RichStore, monkeypatch: pytest.MonkeyPatch) -> None:
     )
     ops = frame(at, "cmp_ops")
     mm = next(r for r in ops if r["op"] == "aten::mm")
-    assert mm["self ms A"] == pytest.approx(
-        sum(e.self_ns for e in rich.base.events if e.name == "aten::mm") / 1e6
-    )
+    assert mm["self ms A"] == pytest.approx(sum(e.self_ns for e in rich.base.events if e.name == "aten::mm") / 1e6)
     assert mm["self ms B"] == 0
     assert any(r["op"] == "aten::tanh" and r["divergent_a"] == 1 for r in frame(at, "cmp_numerics"))
 
@@ -204,9 +202,7 @@ def test_hostile_strings_stay_text(rich: RichStore, monkeypatch: pytest.MonkeyPa
     at = open_app(rich.store.path, monkeypatch)
     for page in ("slow_ops", "numerics", "runs"):
         goto(at, page, rich.hostile.run.id)
-        markdownish = [
-            e.value for e in (*at.markdown, *at.caption, *at.header, *at.info, *at.warning, *at.error)
-        ]
+        markdownish = [e.value for e in (*at.markdown, *at.caption, *at.header, *at.info, *at.warning, *at.error)]
         assert not any("<script>" in v or "<img" in v or "DROP TABLE" in v for v in markdownish)
         for spec in charts(at):
             blob = json.dumps(spec)

@@ -64,12 +64,10 @@ def test_slow_ops_ranking_and_totals(rich: RichStore) -> None:
     table = top_table(view.top, int(view.totals["self_ns"]), "op")
     assert "module" not in table[0] and abs(sum(r["share %"] for r in table) - 100.0) < 0.05
     assert [r["step"] for r in view.steps] == [s.step for s in rich.base.steps]
-    per_step = {}
+    per_step: dict[int, int] = {}
     for r in q.load_step_breakdown(rich.store, rid, steps=len(view.steps)).rows:
         per_step[r["step"]] = per_step.get(r["step"], 0) + r["self_ns"]
-    assert per_step == {
-        s.step: sum(e.self_ns for e in rich.base.events if e.step == s.step) for s in rich.base.steps
-    }
+    assert per_step == {s.step: sum(e.self_ns for e in rich.base.events if e.step == s.step) for s in rich.base.steps}
 
 
 def test_slow_ops_filters(rich: RichStore) -> None:

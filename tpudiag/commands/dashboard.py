@@ -139,8 +139,6 @@ def register(sub: Any) -> None:
         "captured while it is open, and listens on 127.0.0.1 unless --host says otherwise.",
     )
     p.add_argument("--db", help="store path (default: $TPUDIAG_DB or ./tpudiag.duckdb)")
-    p.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free port)"
-    )
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.set_defaults(func=cmd_dashboard)

@@ -57,9 +57,7 @@ class _Session:
 
 def _op_categories(s: _Session, run_id: str) -> tuple[str, list[str]]:
     """("device", device categories) when the run has device events, else ("host", host categories)."""
-    row = s.one(
-        "time_source", "SELECT 1 AS yes FROM trace_events WHERE run_id = ? AND on_device LIMIT 1", [run_id]
-    )
+    row = s.one("time_source", "SELECT 1 AS yes FROM trace_events WHERE run_id = ? AND on_device LIMIT 1", [run_id])
     if row:
         return "device", list(DEVICE_OP_CATEGORIES)
     return "host", list(HOST_OP_CATEGORIES)
@@ -114,9 +112,7 @@ class RunsView:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def load_runs(
-    store: Store, search: str | None = None, statuses: list[str] | None = None, limit: int = 200
-) -> RunsView:
+def load_runs(store: Store, search: str | None = None, statuses: list[str] | None = None, limit: int = 200) -> RunsView:
     """Runs matching the filters, newest first, each with its headline numbers."""
     with store.reader() as con:
         s = _Session(con)
@@ -263,9 +259,7 @@ class StepBreakdown:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def load_step_breakdown(
-    store: Store, run_id: str, f: OpFilter | None = None, steps: int = 0
-) -> StepBreakdown:
+def load_step_breakdown(store: Store, run_id: str, f: OpFilter | None = None, steps: int = 0) -> StepBreakdown:
     """The self time of the run's top ops per step.
 
     Past ``MAX_STEP_BARS`` steps, consecutive steps share a bar (mean per step), so the chart stays light.
@@ -382,9 +376,7 @@ def load_step_timeline(store: Store, run_id: str, step: int, limit: int = 2000) 
         if not window:
             return None
         lo, hi = int(window["start_ns"]), int(window["start_ns"]) + int(window["dur_ns"])
-        where = (
-            "FROM trace_events WHERE run_id = ? AND start_ns >= ? AND start_ns < ? AND category != 'Trace'"
-        )
+        where = "FROM trace_events WHERE run_id = ? AND start_ns >= ? AND start_ns < ? AND category != 'Trace'"
         params: list[Any] = [run_id, lo, hi]
         total = s.one("timeline_count", f"SELECT count(*) AS n {where}", params)["n"]
         events = s.rows(
@@ -417,9 +409,7 @@ class NumericsView:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def load_numerics(
-    store: Store, run_id: str, max_points: int = 4000, module: str | None = None
-) -> NumericsView:
+def load_numerics(store: Store, run_id: str, max_points: int = 4000, module: str | None = None) -> NumericsView:
     """Coverage, the first divergent op, error along the run, the per-module roll-up and the divergent ops."""
     with store.reader() as con:
         s = _Session(con)
@@ -458,9 +448,7 @@ def load_numerics(
             [run_id, list(FAIL_VERDICTS)],
         )
         mod_cond, mod_params = (
-            ("", [])
-            if module is None
-            else (" AND (o.module = ? OR starts_with(o.module, ?))", [module, module + "."])
+            ("", []) if module is None else (" AND (o.module = ? OR starts_with(o.module, ?))", [module, module + "."])
         )
         n = s.one(
             "series_count",
