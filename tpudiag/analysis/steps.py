@@ -136,7 +136,7 @@ def _name_lookup(names: Names) -> Callable[[int], str]:
     return lambda i: names[i]
 
 
-def assign_steps(start_ns: Sequence[int], steps: Sequence[StepSpan]) -> list[int | None]:
+def assign_steps(start_ns: Sequence[int] | np.ndarray[Any, Any], steps: Sequence[StepSpan]) -> list[int | None]:
     """Step number of each event (the step whose interval holds its start), or None outside steps."""
     result: list[int | None] = step_array(start_ns, steps).to_pylist()
     return result
