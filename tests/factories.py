@@ -72,7 +72,9 @@ def store_with(store: Store, run: Run, tables: dict[type[Any], list[Any]]) -> No
     spool = Spool(store.run_dir(run.id) / "spool")
     for cls, records in tables.items():
         spool.write_table(cls.TABLE, records_to_arrow(cls, records))
-    store.ingest_spool(run.id, spool.directory)
+    with store.writer() as w:
+        store.ingest_spool(run.id, spool.directory, con=w)
+        store.summarize_run(run.id, w)
 
 
 def empty_table(cls: type[Any]) -> pa.Table:

@@ -187,3 +187,21 @@ def test_sigkill_during_a_write_never_corrupts_the_store(db: Path, tmp_path: Pat
     with Store(db).reader() as r:
         row = r.execute("SELECT count(*) % 200000 FROM trace_events").fetchone()
     assert row == (0,)  # only whole transactions landed
+
+
+def test_op_summary_gives_the_same_slow_ops_as_the_raw_events(db: Path) -> None:
+    store = Store(db)
+    run = make_run()
+    ev = [
+        make_event(run.id, i, name, i * 10, 5 + i % 7, self_ns=3 + i % 5, module=mod, phase=phase)
+        for i, (name, mod, phase) in enumerate(
+            [("aten::mm", "fc1", "forward"), ("aten::mm", "fc2", "backward"), ("aten::relu", "act", "forward")] * 50
+        )
+    ]
+    store_with(store, run, {TraceEvent: ev})
+    summarized = queries.slow_ops(store, run.id)
+    with store.writer() as w:
+        w.execute("DELETE FROM op_summary WHERE run_id = ?", [run.id])
+    raw = queries.slow_ops(store, run.id)
+    assert summarized == raw
+    assert sum(o["calls"] for o in raw) == 150

@@ -124,6 +124,7 @@ def import_paths(
         with store.writer() as w:
             store.put_run(run, con=w)
             store.ingest_spool(run_id, spool.directory, con=w)
+            store.summarize_run(run_id, w)
         status.done()
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -219,15 +219,25 @@ def load_slow_ops(
     with store.reader() as con:
         s = _Session(con)
         source, cats = _op_categories(s, run_id)
-        base = "FROM trace_events WHERE run_id = ? AND list_contains(?, category)"
         bparams: list[Any] = [run_id, cats]
         keys = {"op": "name", "op_module": "name, module", "module": "module"}[grouping]
         select = {"op": "name, NULL AS module", "op_module": "name, module", "module": "NULL AS name, module"}
+        # The run's op_summary (written when the run finished) answers every filter but the step one from a few
+        # thousand pre-aggregated rows; runs without it (still running) are aggregated from their events.
+        summarized = f.step is None and bool(
+            s.one("summary", "SELECT 1 AS yes FROM op_summary WHERE run_id = ? LIMIT 1", [run_id])
+        )
+        if summarized:
+            base = "FROM op_summary WHERE run_id = ? AND list_contains(?, category)"
+            calls, self_sum, dur_sum, max_self = "sum(calls)", "sum(self_ns)", "sum(dur_ns)", "max(max_self_ns)"
+        else:
+            base = "FROM trace_events WHERE run_id = ? AND list_contains(?, category)"
+            calls, self_sum, dur_sum, max_self = "count(*)", "sum(self_ns)", "sum(dur_ns)", "max(self_ns)"
         top = s.rows(
             "top_ops",
             f"""
-            SELECT {select[grouping]}, count(*) AS calls, sum(self_ns) AS self_ns, sum(dur_ns) AS total_ns,
-                   sum(self_ns) / count(*) AS mean_self_ns, max(self_ns) AS max_self_ns
+            SELECT {select[grouping]}, {calls} AS calls, {self_sum} AS self_ns, {dur_sum} AS total_ns,
+                   {self_sum} / {calls} AS mean_self_ns, {max_self} AS max_self_ns
             {base}{cond} GROUP BY {keys} ORDER BY self_ns DESC, {keys} LIMIT ?
             """,
             [*bparams, *cparams, limit],
@@ -235,7 +245,7 @@ def load_slow_ops(
         # Every module's row (module paths are few): the page's totals are their sums, which saves a scan.
         modules = s.rows(
             "module_tree",
-            f"SELECT module, count(*) AS calls, sum(self_ns) AS self_ns {base}{cond} "
+            f"SELECT module, {calls} AS calls, {self_sum} AS self_ns {base}{cond} "
             "GROUP BY module ORDER BY self_ns DESC",
             [*bparams, *cparams],
         )

@@ -212,6 +212,20 @@ class Store:
                 p.unlink()
         return rows
 
+    def summarize_run(self, run_id: str, con: duckdb.DuckDBPyConnection) -> None:
+        """(Re)build the run's rows of ``op_summary`` from its trace events (call when a run is finished)."""
+        con.execute("DELETE FROM op_summary WHERE run_id = ?", [run_id])
+        con.execute(
+            """
+            INSERT INTO op_summary
+            SELECT run_id, name, module, phase, category, on_device, count(*), sum(self_ns), sum(dur_ns),
+                   max(self_ns)
+            FROM trace_events WHERE run_id = ?
+            GROUP BY run_id, name, module, phase, category, on_device
+            """,
+            [run_id],
+        )
+
     def recover_stale_runs(self) -> list[str]:
         """Mark runs whose capture process died (SIGKILL, os._exit) as interrupted, loading their spooled tail."""
         if not self.path.exists():
@@ -229,6 +243,7 @@ class Store:
             for rid, _pid, _started, adir in stale:
                 if adir:
                     self.ingest_spool(rid, Path(adir) / "spool", con=w)
+                self.summarize_run(rid, w)
                 w.execute(
                     "UPDATE runs SET status = 'interrupted', notes = ? WHERE id = ? AND status = 'running'",
                     [

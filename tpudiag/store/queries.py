@@ -67,12 +67,15 @@ def slow_ops(store: Store, run_id: str, limit: int = 20, by_module: bool = True)
             return device_slow_ops(r, run_id, limit, by_module)
         group = "name, module" if by_module else "name"
         module_col = "module" if by_module else "NULL AS module"
+        # A finished run has its op_summary; a running one is aggregated from its events.
+        summary = r.execute("SELECT count(*) FROM op_summary WHERE run_id = ?", [run_id]).fetchall()[0][0]
+        table, calls = ("op_summary", "sum(calls)") if summary else ("trace_events", "count(*)")
         rows = _dicts(
             r.execute(
                 f"""
-                SELECT name, {module_col}, count(*) AS calls,
+                SELECT name, {module_col}, {calls} AS calls,
                        sum(self_ns) / 1e3 AS self_us, sum(dur_ns) / 1e3 AS total_us
-                FROM trace_events
+                FROM {table}
                 WHERE run_id = ? AND list_contains(?, category)
                 GROUP BY {group}
                 ORDER BY self_us DESC, name
