@@ -129,6 +129,7 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         if not self.active or torch.compiler.is_compiling():
             return func(*args, **kwargs)
+        t_entry = self.clock()
         self.seq += 1
         seq = self.seq
         self.budget.ops_seen += 1
@@ -141,8 +142,12 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         tensors = oracle.tensors_in(args, kwargs)
         reason = self._skip_reason(func, plan, module, tensors)
         if reason is not None:
+            t_op = self.clock()
             out = func(*args, **kwargs)
+            op_s = self.clock() - t_op
             self._unchecked(func, plan, seq, module, phase, reason, args, kwargs, out, tensors)
+            # The mode's own time on this call (everything but the op itself) counts against --budget.
+            self.budget.extra_s += self.clock() - t_entry - op_s
             return out
         return self._check(func, plan, seq, module, phase, args, kwargs, tensors)
 
