@@ -73,7 +73,10 @@ class TraceCollector:
         return importlib.util.find_spec("torch") is not None
 
     def prepare(self, ctx: CaptureContext) -> None:
-        """Nothing to set before torch loads."""
+        """Before torch loads: keep libtpu from searching for a metadata server that is not there."""
+        from tpudiag.collectors import tpu_profiler
+
+        tpu_profiler.prepare_environment()
 
     def start(self, ctx: CaptureContext) -> None:
         import torch
@@ -111,6 +114,9 @@ class TraceCollector:
             self._tracker.install()
             self._hooks.append(register_optimizer_step_post_hook(self._after_optimizer_step))
             self._patch_user_sessions()
+            from tpudiag.collectors import tpu_profiler
+
+            self._tpu = tpu_profiler.session_for(ctx)  # XProf trace through TorchTPU when a TPU is in use
             self._start_session()
         except BaseException:
             self._uninstall()
@@ -124,6 +130,8 @@ class TraceCollector:
             return
         try:
             self._stop_session()
+            if self._tpu is not None:
+                self._events_done += self._tpu.write(self._ctx, first_event_id=self._events_done)
         finally:
             self._uninstall()
         if self._user_sessions:
@@ -173,8 +181,16 @@ class TraceCollector:
         assert self._ctx is not None
         self._starting = True
         try:
-            prof = torch.profiler.profile(activities=self._activities, record_shapes=True, with_stack=self._with_stack)
+            extra = self._tpu.profile_kwargs() if self._tpu is not None else {}
+            prof = torch.profiler.profile(
+                activities=self._activities + extra.get("activities", []),
+                record_shapes=True,
+                with_stack=self._with_stack,
+                experimental_config=extra.get("experimental_config"),
+            )
             _quiet_stderr(prof.start)
+            if self._tpu is not None:
+                self._tpu.start()
         finally:
             self._starting = False
         self._prof = prof
@@ -192,6 +208,8 @@ class TraceCollector:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize()  # pending device work lands in the trace
+        if self._tpu is not None:
+            self._tpu.stop()  # synchronises pending device work first
         _quiet_stderr(prof.stop)
         path = self._trace_dir / f"kineto-{len(self._chunks):03d}.json"
         prof.export_chrome_trace(str(path))
