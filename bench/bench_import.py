@@ -28,7 +28,7 @@ TARGET_EVENTS = int(os.environ.get("TPUDIAG_BENCH_IMPORT_EVENTS", "1000000"))
 
 def synthesise_kineto(out: Path, target: int) -> int:
     """Replicate the fixture's complete events until ``target``; returns the number of complete events."""
-    doc = json.loads(gzip.open(KINETO_SOURCE).read())
+    doc = json.loads(gzip.decompress(KINETO_SOURCE.read_bytes()))
     events = doc["traceEvents"]
     xs = [e for e in events if e.get("ph") == "X"]
     meta = [e for e in events if e.get("ph") != "X"]

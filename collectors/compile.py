@@ -51,9 +51,7 @@ class _Handler(logging.Handler):
             return
         try:
             with self._lock:
-                self._sink += self._builder.feed(
-                    metadata, getattr(record, "payload", None), int(record.created * 1e9)
-                )
+                self._sink += self._builder.feed(metadata, getattr(record, "payload", None), int(record.created * 1e9))
         except Exception:  # a record we do not understand must never break the user's compile
             self.errors += 1
 
@@ -178,8 +176,7 @@ class CompileCollector:
             logger.removeHandler(self._handler)
             if self._handler.errors:
                 self._ctx.note(
-                    f"compile collector skipped {self._handler.errors} structured-trace record(s) it "
-                    "could not read"
+                    f"compile collector skipped {self._handler.errors} structured-trace record(s) it could not read"
                 )
         with self._lock:
             self._events += self._builder.finish()

@@ -50,9 +50,7 @@ BREAK_LINE = SCRIPT.splitlines().index('    print("graph break")  # GRAPH BREAK 
 
 
 def _capture(tmp: Path, db: Path, out: Path, env: dict[str, str]) -> dict[str, Any]:
-    proc = run_tpudiag(
-        "capture", "--db", str(db), "--collect", "compile", "script.py", str(out), cwd=tmp, env=env
-    )
+    proc = run_tpudiag("capture", "--db", str(db), "--collect", "compile", "script.py", str(out), cwd=tmp, env=env)
     assert proc.returncode == 0, proc.stderr
     report = run_tpudiag("report", "--db", str(db), "--json", cwd=tmp)
     assert report.returncode == 0, report.stderr
@@ -90,13 +88,9 @@ def test_cold_then_warm_cache_recompiles_graph_break_and_import(tmp_path: Path) 
     section = cold["compile"]
     torch_counts = _torch_counts(dump)
     assert {k: section[k] for k in torch_counts} == torch_counts
-    assert (
-        torch_counts["recompiles"] >= 1 and torch_counts["graph_breaks"] >= 1 and torch_counts["cache_misses"]
-    )
+    assert torch_counts["recompiles"] >= 1 and torch_counts["graph_breaks"] >= 1 and torch_counts["cache_misses"]
     assert section["cache_hits"] == 0
-    expected_reasons = [
-        m["recompile_reason"].split(": ", 1)[1] for m in dump["metrics"] if m["recompile_reason"]
-    ]
+    expected_reasons = [m["recompile_reason"].split(": ", 1)[1] for m in dump["metrics"] if m["recompile_reason"]]
     assert section["recompile_reasons"] == expected_reasons
     assert "tensor 'x' size mismatch at index 0. expected 4, actual 8" in expected_reasons
     f = next(fr for fr in section["by_frame"] if fr["function"] == "f")
@@ -169,9 +163,7 @@ def test_tpu_records_emitted_through_trace_structured(tmp_path: Path) -> None:
         ]
         for op, hit, failed, reason, dur in batches:
             chromium = json.dumps({"name": op, "ph": "X", "ts": 1.0, "dur": dur, "pid": 0, "tid": 0})
-            trace_structured(
-                "chromium_event", metadata_fn=dict, payload_fn=const(chromium), expect_trace_id=False
-            )
+            trace_structured("chromium_event", metadata_fn=dict, payload_fn=const(chromium), expect_trace_id=False)
             for name in ("torchtpu_eager_aten_graph", "torchtpu_eager_stablehlo"):
                 meta = {
                     "name": name,

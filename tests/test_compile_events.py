@@ -62,9 +62,7 @@ def metrics(frame: int, n: int, **kw: Any) -> dict[str, Any]:
     return {"compilation_metrics": m, **ids(frame, n)}
 
 
-def tensor_records(
-    frame: int, n: int, size: list[int], source: str = "L['x']"
-) -> list[tuple[dict[str, Any], None]]:
+def tensor_records(frame: int, n: int, size: list[int], source: str = "L['x']") -> list[tuple[dict[str, Any], None]]:
     return [
         ({"describe_tensor": {"id": 0, "describer_id": n, "size": size}, **ids(frame, n)}, None),
         ({"describe_source": {"id": 0, "describer_id": n, "source": source}, **ids(frame, n)}, None),
@@ -118,9 +116,7 @@ def compile_records() -> list[tuple[dict[str, Any], str | None]]:
     return recs
 
 
-def run_builder(
-    records: Sequence[tuple[dict[str, Any], str | None]], run_id: str = "r"
-) -> list[CompileEvent]:
+def run_builder(records: Sequence[tuple[dict[str, Any], str | None]], run_id: str = "r") -> list[CompileEvent]:
     b = CompileEventBuilder(run_id)
     out: list[CompileEvent] = []
     for i, (meta, payload) in enumerate(records):
@@ -141,9 +137,7 @@ def test_compile_recompile_graph_break_and_caches() -> None:
     assert [e.seq for e in events] == list(range(6))
     gb = events[0]
     assert (gb.file, gb.line, gb.function) == ("/w/demo.py", 16, "f")
-    assert (gb.reason or "").startswith(
-        "Failed to trace builtin operator: Dynamo does not know how to trace builtin"
-    )
+    assert (gb.reason or "").startswith("Failed to trace builtin operator: Dynamo does not know how to trace builtin")
     fx, aot = events[1], events[2]
     assert (fx.cache_tier, fx.cache_hit, aot.cache_tier, aot.cache_hit) == (
         "inductor_fx",
@@ -168,9 +162,7 @@ def test_failed_compile_drops_its_graph_break_and_records_the_failure() -> None:
         (metrics(2, 0, fail_type="Unsupported", fail_reason="Observed exception\n  Explanation: ..."), None),
     ]
     events = run_builder(recs)
-    assert [(e.kind, e.failed, e.reason) for e in events] == [
-        ("compile", True, "Unsupported: Observed exception")
-    ]
+    assert [(e.kind, e.failed, e.reason) for e in events] == [("compile", True, "Unsupported: Observed exception")]
 
 
 def test_torch_wrapper_frame_is_named_by_the_user_call_site() -> None:
@@ -227,8 +219,7 @@ def test_tpu_eager_events_take_the_duration_of_their_chromium_event() -> None:
 
 def test_recompile_reasons_split_per_cache_entry() -> None:
     text = (
-        "0/0: tensor 'x' size mismatch at index 0. expected 4, actual 8\n"
-        "0/1: n == 2          # return x * n  # a.py:3"
+        "0/0: tensor 'x' size mismatch at index 0. expected 4, actual 8\n0/1: n == 2          # return x * n  # a.py:3"
     )
     assert recompile_reasons(text) == ["tensor 'x' size mismatch at index 0. expected 4, actual 8", "n == 2"]
     assert recompile_reasons(None) == []

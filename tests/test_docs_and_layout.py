@@ -28,6 +28,7 @@ def test_every_registered_collector_is_documented_and_loads() -> None:
 def test_every_subcommand_is_documented_with_help() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    assert isinstance(sub.choices, dict)
     assert {"capture", "runs", "report"} <= set(sub.choices)
     assert len(sub.choices) == 3 + len(EXTRA_COMMANDS)
     for name, sp in sub.choices.items():

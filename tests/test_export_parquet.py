@@ -44,9 +44,7 @@ def _fill(store: Store, n_events: int = 500) -> str:
     return run.id
 
 
-def test_parquet_round_trip_gives_same_aggregates(
-    db: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_parquet_round_trip_gives_same_aggregates(db: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = Store(db)
     run_id = _fill(store)
     out = tmp_path / "pq"
@@ -59,22 +57,18 @@ def test_parquet_round_trip_gives_same_aggregates(
     with store.reader() as con:
         for table, sql in AGGREGATES.items():
             key = "id" if table == "runs" else "run_id"
-            fresh.execute(
-                f"CREATE TABLE {table} AS SELECT * FROM read_parquet(?)", [str(out / f"{table}.parquet")]
-            )
+            fresh.execute(f"CREATE TABLE {table} AS SELECT * FROM read_parquet(?)", [str(out / f"{table}.parquet")])
             got = fresh.execute(sql.format(src=table)).fetchall()
-            want = con.execute(
-                sql.format(src=f"(SELECT * FROM {table} WHERE {key} = ?)"), [run_id]
-            ).fetchall()
+            want = con.execute(sql.format(src=f"(SELECT * FROM {table} WHERE {key} = ?)"), [run_id]).fetchall()
             assert got == want, table
             assert got[0][0] > 0
     # Same column names and types as the store.
     with store.reader() as con:
         store_cols = con.execute("DESCRIBE trace_events").fetchall()
     assert fresh.execute("DESCRIBE trace_events").fetchall() == store_cols
-    assert fresh.execute(
-        "SELECT count(*) FROM read_parquet(?)", [str(out / "compile_events.parquet")]
-    ).fetchall() == [(0,)]
+    assert fresh.execute("SELECT count(*) FROM read_parquet(?)", [str(out / "compile_events.parquet")]).fetchall() == [
+        (0,)
+    ]
     assert read_schema_version(out / "trace_events.parquet") == SCHEMA_VERSION
     meta = pq.read_schema(out / "runs.parquet").metadata
     assert meta[b"tpudiag.table"] == b"runs" and meta[b"tpudiag.run_id"] == run_id.encode()

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import pytest
 
 from tests.factories import make_event, make_run, make_step, store_with

@@ -81,9 +81,7 @@ def server(exported: dict[str, Any]) -> Iterator[str]:
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
-                pytest.fail(
-                    f"tensorboard exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}"
-                )
+                pytest.fail(f"tensorboard exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
             try:
                 _get(base, "/data/plugin/profile/runs")
                 break

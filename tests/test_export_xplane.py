@@ -39,9 +39,7 @@ def _tpu_run(store: Store, **run_kw: Any) -> str:
     k = 0
     for step in range(3):
         base = T0 + step * 1_000_000
-        events.append(
-            make_event(run.id, k, "aten::addmm", base, 200_000, module="fc", process="python", thread="main")
-        )
+        events.append(make_event(run.id, k, "aten::addmm", base, 200_000, module="fc", process="python", thread="main"))
         events.append(
             make_event(
                 run.id,
@@ -85,10 +83,7 @@ def _export(db: Path, run_id: str, out: Path, *extra: str) -> list[Path]:
 
     buf = io.StringIO()
     with redirect_stdout(buf):
-        assert (
-            main(["export", run_id, "--db", str(db), "--format", "tensorboard", "--out", str(out), *extra])
-            == 0
-        )
+        assert main(["export", run_id, "--db", str(db), "--format", "tensorboard", "--out", str(out), *extra]) == 0
     return [Path(p) for p in buf.getvalue().split()]
 
 
@@ -114,9 +109,7 @@ def test_device_plane_layout(db: Path, tmp_path: Path) -> None:
         stats = _stats(dev, meta)
         assert stats["program_id"] == 42 and stats["symbol_id"] > 0
         assert stats["tf_op"] == "aten.addmm:addmm"
-    symbols = {
-        _stats(dev, m)["symbol_id"] for m in dev.event_metadata.values() if m.name in ("fusion.1", "copy.2")
-    }
+    symbols = {_stats(dev, m)["symbol_id"] for m in dev.event_metadata.values() if m.name in ("fusion.1", "copy.2")}
     assert len(symbols) == 2
     # Offsets are relative to the line's epoch timestamp and in picoseconds.
     first = lines["XLA Ops"].events[0]
@@ -152,11 +145,7 @@ def test_ranks_become_hosts_and_originals_are_copied(db: Path, tmp_path: Path, s
     original = shared_fixtures / "torch_tpu" / "host_only_cpu_activity.xplane.pb"
     shutil.copy(original, artifacts / "trace" / "tpu-host.xplane.pb")
     run = make_run(host="h", artifacts_dir=str(artifacts))
-    events = [
-        make_event(run.id, r * 10 + i, "aten::mul", T0 + i * 1000, 500, rank=r)
-        for r in (0, 1)
-        for i in (0, 1)
-    ]
+    events = [make_event(run.id, r * 10 + i, "aten::mul", T0 + i * 1000, 500, rank=r) for r in (0, 1) for i in (0, 1)]
     store_with(store, run, {TraceEvent: events})
     paths = _export(db, run.id, tmp_path / "tb")
     names = sorted(p.relative_to(tmp_path / "tb" / "plugins" / "profile").as_posix() for p in paths)
@@ -169,9 +158,7 @@ def test_ranks_become_hosts_and_originals_are_copied(db: Path, tmp_path: Path, s
         original.read_bytes()
     )
     for rank in (0, 1):
-        space = xp.parse_xspace(
-            (tmp_path / "tb/plugins/profile" / run.id / f"h_{rank}.xplane.pb").read_bytes()
-        )
+        space = xp.parse_xspace((tmp_path / "tb/plugins/profile" / run.id / f"h_{rank}.xplane.pb").read_bytes())
         assert sum(len(line.events) for p in space.planes for line in p.lines) == 2
     skipped = _export(db, run.id, tmp_path / "tb2", "--no-original")
     assert len(skipped) == 2

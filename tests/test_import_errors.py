@@ -89,8 +89,9 @@ def test_missing_path_is_a_clean_error(db: Path, tmp_path: Path) -> None:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.binary(min_size=0, max_size=4096), prefix=st.sampled_from([b"", b"{", b"[", b"\x1f\x8b", b"\n{\n  "]))
-def test_random_bytes_never_crash_and_never_write(tmp_path_factory: pytest.TempPathFactory, data: bytes,
-                                                  prefix: bytes) -> None:
+def test_random_bytes_never_crash_and_never_write(
+    tmp_path_factory: pytest.TempPathFactory, data: bytes, prefix: bytes
+) -> None:
     tmp = tmp_path_factory.mktemp("rand")
     path = tmp / "random.json"
     path.write_bytes(prefix + data)
@@ -107,8 +108,7 @@ def test_random_bytes_never_crash_and_never_write(tmp_path_factory: pytest.TempP
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.binary(min_size=1, max_size=2048))
-def test_random_bytes_shaped_like_an_xspace_never_crash(tmp_path_factory: pytest.TempPathFactory,
-                                                        data: bytes) -> None:
+def test_random_bytes_shaped_like_an_xspace_never_crash(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
     tmp = tmp_path_factory.mktemp("randx")
     path = tmp / "random.xplane.pb"
     path.write_bytes(b"\x0a" + bytes([min(len(data), 127)]) + data)  # a plausible first field: goes to xprof

@@ -19,7 +19,7 @@ GPU_TRACE = "kineto/rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz"
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
-    doc = json.loads(gzip.open(path).read())
+    doc = json.loads(gzip.decompress(path.read_bytes()))
     return doc["traceEvents"] if isinstance(doc, dict) else doc
 
 
@@ -38,8 +38,9 @@ def test_every_kineto_fixture_imports_with_all_complete_events(shared_fixtures: 
     total = con.execute("SELECT count(*) FROM trace_events WHERE run_id = ?", [run_id]).fetchone()
     assert total == (sum(expected.values()),)
     # rank comes from distributedInfo (these unrelated jobs are mostly rank 0)
-    by_rank = dict(con.execute(
-        "SELECT rank, count(*) FROM trace_events WHERE run_id = ? GROUP BY rank", [run_id]).fetchall())
+    by_rank = dict(
+        con.execute("SELECT rank, count(*) FROM trace_events WHERE run_id = ? GROUP BY rank", [run_id]).fetchall()
+    )
     assert by_rank[34] == expected[shared_fixtures / "kineto/rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz"]
     run = con.execute("SELECT source, status, device_kind FROM runs WHERE id = ?", [run_id]).fetchone()
     assert run == ("import", "ok", "cuda")
@@ -49,8 +50,11 @@ def test_gpu_kernels_are_attributed_to_their_launching_cpu_op(shared_fixtures: P
     path = shared_fixtures / GPU_TRACE
     evs = _events(path)
     # independent pass: kernel -> launch call (same correlation) -> innermost cpu_op around it on its thread
-    launches = {e["args"]["correlation"]: e for e in evs
-                if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")}
+    launches = {
+        e["args"]["correlation"]: e
+        for e in evs
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+    }
     launcher: dict[int, str] = {}  # correlation -> innermost cpu_op around the launch call (time sweep per thread)
     per_thread = defaultdict(list)
     for e in evs:

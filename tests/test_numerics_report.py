@@ -112,6 +112,7 @@ def test_first_divergence_is_the_first_real_fault_not_expected_precision(db: Pat
 def test_text_leads_with_the_first_divergence(db: Path) -> None:
     store, run = _store(db)
     sec = numerics_report.build_section(store, run)
+    assert sec is not None
     lines = numerics_report.render_section(sec)
     assert lines[1].startswith("  FIRST DIVERGENCE: seq 4 aten::tanh in m.act (forward), act.py:7")
     text = "\n".join(lines)

@@ -23,8 +23,12 @@ def _xspace_events(path: Path) -> int:
 
 
 @pytest.mark.parametrize(
-    "name", ["xla/jax_cpu_train_step.xplane.pb", "xla/jax_cpu_matmul_tanh.xplane.pb",
-             "torch_tpu/host_only_cpu_activity.xplane.pb"],
+    "name",
+    [
+        "xla/jax_cpu_train_step.xplane.pb",
+        "xla/jax_cpu_matmul_tanh.xplane.pb",
+        "torch_tpu/host_only_cpu_activity.xplane.pb",
+    ],
 )
 def test_fixture_xspaces_import_every_event(shared_fixtures: Path, db: Path, name: str) -> None:
     path = shared_fixtures / name
@@ -73,9 +77,12 @@ def test_tpu_device_plane_ranks_framework_ops_by_device_time(db: Path) -> None:
         assert o["flops"] == pytest.approx(e["flops"])
         assert o["bytes_accessed"] == pytest.approx(e["bytes"])
     con = duckdb.connect(str(db), read_only=True)
-    cats = dict(con.execute(
-        "SELECT hlo_category, count(*) FROM trace_events WHERE run_id = ? AND category = 'xla_op' GROUP BY 1",
-        [run_id]).fetchall())
+    cats = dict(
+        con.execute(
+            "SELECT hlo_category, count(*) FROM trace_events WHERE run_id = ? AND category = 'xla_op' GROUP BY 1",
+            [run_id],
+        ).fetchall()
+    )
     assert cats == {"convolution fusion": 4, "matmul": 4, "loop fusion": 4, "reduce": 4, "data formatting": 4}
     steps = queries.steps(store, run_id)
     assert [s["step"] for s in steps] == list(range(expected["steps"]))

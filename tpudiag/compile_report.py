@@ -117,11 +117,7 @@ def summarize(events: list[CompileEvent], tpu_eager: TpuEagerSummary | None = No
         f["compiles"] += e.kind in COMPILE_KINDS
         f["recompiles"] += e.kind == "recompile"
         f["compile_time_s"] += e.duration_s or 0.0
-        reason = (
-            e.reason
-            if e.kind == "recompile" and not e.failed
-            else (f"failed: {e.reason}" if e.failed else None)
-        )
+        reason = e.reason if e.kind == "recompile" and not e.failed else (f"failed: {e.reason}" if e.failed else None)
         if reason and reason not in f["reasons"] and len(f["reasons"]) < MAX_REASONS:
             f["reasons"].append(reason)
         if e.shapes and e.kind in COMPILE_KINDS:
@@ -134,9 +130,7 @@ def summarize(events: list[CompileEvent], tpu_eager: TpuEagerSummary | None = No
             site = f"{e.file}:{e.line}: {e.reason}"
             if owner in frames and site not in frames[owner]["graph_breaks"]:
                 frames[owner]["graph_breaks"].append(site)
-    by_frame = sorted(
-        frames.values(), key=lambda f: (-f["recompiles"], -f["compile_time_s"], str(f["function"]))
-    )
+    by_frame = sorted(frames.values(), key=lambda f: (-f["recompiles"], -f["compile_time_s"], str(f["function"])))
     for f in by_frame:
         f["compile_time_s"] = round(f["compile_time_s"], 6)
     return {

@@ -8,6 +8,7 @@ command fails with the first file's error.
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import socket
@@ -89,9 +90,7 @@ def import_paths(
             label = f"[{index + 1}/{len(files)}] {path.name}"
             status(f"importing {label}", force=True)
             try:
-                _import_one(
-                    path, index, run_id, spool, result, lambda k, lb=label: status(f"{lb}: {k:,} events")
-                )
+                _import_one(path, index, run_id, spool, result, functools.partial(_progress, status, label))
             except TpudiagError as err:
                 if len(files) == 1:
                     raise
@@ -209,3 +208,7 @@ def _renumber(event: CompileEvent, seq: int) -> CompileEvent:
 def _write(spool: Spool, events: Any, steps: Any) -> None:
     spool.write_table("trace_events", events)
     spool.write_table("steps", steps)
+
+
+def _progress(status: Callable[..., None], label: str, events: int) -> None:
+    status(f"{label}: {events:,} events")

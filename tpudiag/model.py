@@ -9,7 +9,6 @@ parsers) build Arrow columns directly against ``arrow_schema(Cls)`` instead of i
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -215,10 +214,17 @@ def _arrow_type(tp: Any) -> tuple[pa.DataType, bool]:
     return pa.string(), True
 
 
-@functools.cache
+_SCHEMAS: dict[type[Any], pa.Schema] = {}
+
+
 def arrow_schema(cls: type[Any]) -> pa.Schema:
-    hints = typing.get_type_hints(cls)
-    return pa.schema([pa.field(f.name, _arrow_type(hints[f.name])[0]) for f in dataclasses.fields(cls)])
+    """The Arrow schema of a record type (cached: it is asked for on every spool write)."""
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        hints = typing.get_type_hints(cls)
+        schema = pa.schema([pa.field(f.name, _arrow_type(hints[f.name])[0]) for f in dataclasses.fields(cls)])
+        _SCHEMAS[cls] = schema
+    return schema
 
 
 def column_names(cls: type[Any]) -> list[str]:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from train_mlp import MLP
+from train_mlp import MLP  # type: ignore[import-not-found]
 
 
 def main() -> None:

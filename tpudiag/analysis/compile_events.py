@@ -49,9 +49,7 @@ TPU_GRAPH_ARTIFACTS = ("torchtpu_fx_graph", "torchtpu_stablehlo_graph")
 GRAPH_BREAK_ARTIFACT = "dynamo_graph_break_reason"
 
 # Artifacts whose payload the builder reads; other payloads (graphs, code, guards) are never decoded.
-_PAYLOAD_ARTIFACTS = frozenset(
-    [*CACHE_ARTIFACTS, TPU_EAGER_ARTIFACT, *TPU_GRAPH_ARTIFACTS, GRAPH_BREAK_ARTIFACT]
-)
+_PAYLOAD_ARTIFACTS = frozenset([*CACHE_ARTIFACTS, TPU_EAGER_ARTIFACT, *TPU_GRAPH_ARTIFACTS, GRAPH_BREAK_ARTIFACT])
 MAX_TEXT = 4000
 MAX_INPUTS = 16
 
@@ -118,11 +116,7 @@ def parse_graph_break(text: str) -> GraphBreak:
     lines = [s.strip() for s in body.splitlines() if s.strip()]
     # Line 1 says what Dynamo was doing ("Encountered graph break when ..."); then the graph-break type and
     # its "Explanation:" line, the two parts that read as a reason.
-    if (
-        lines
-        and lines[0].startswith(("Encountered graph break", "Failed to handle graph break"))
-        and len(lines) > 1
-    ):
+    if lines and lines[0].startswith(("Encountered graph break", "Failed to handle graph break")) and len(lines) > 1:
         lines = lines[1:]
     reason = lines[0] if lines else "graph break"
     if len(lines) > 1 and lines[1].startswith("Explanation:"):
@@ -297,15 +291,11 @@ class CompileEventBuilder:
                 "lines": text.count("\n") + 1,
                 "head": _clip(text),
             }
-            return self._emit(
-                key, {**base, "kind": "tpu_graph", "reason": name, "payload": json.dumps(graph)}
-            )
+            return self._emit(key, {**base, "kind": "tpu_graph", "reason": name, "payload": json.dumps(graph)})
         if name in CACHE_ARTIFACTS:
             tier, hit = CACHE_ARTIFACTS[str(name)]
             info = _json_object(payload)
-            reason = (
-                info.get("cache_bypass_reason") or info.get("reason") or info.get("cache_status_detailed")
-            )
+            reason = info.get("cache_bypass_reason") or info.get("reason") or info.get("cache_status_detailed")
             keep = {
                 k: info[k]
                 for k in (
@@ -342,9 +332,7 @@ class CompileEventBuilder:
             return []
         return []
 
-    def _emit(
-        self, key: tuple[int | None, int | None, int | None], event: dict[str, Any]
-    ) -> list[CompileEvent]:
+    def _emit(self, key: tuple[int | None, int | None, int | None], event: dict[str, Any]) -> list[CompileEvent]:
         """An event of a running compilation waits for its frame; others are complete now."""
         if key[1] is not None and key in self._pending:
             self._pending[key].events.append(event)
@@ -386,9 +374,7 @@ class CompileEventBuilder:
             frame = self._frame_of(m, pend)
             self._frames[key] = frame
             reasons = recompile_reasons(m.get("recompile_reason"))
-            restarts = [
-                str(r).strip().splitlines()[0] for r in m.get("restart_reasons") or [] if str(r).strip()
-            ]
+            restarts = [str(r).strip().splitlines()[0] for r in m.get("restart_reasons") or [] if str(r).strip()]
             body = {
                 "co_name": m.get("co_name"),
                 "co_filename": m.get("co_filename"),
@@ -431,11 +417,7 @@ class CompileEventBuilder:
             return frame
         # torch.compile(module) compiles a wrapper inside torch; the user's call site names it better.
         for entry in reversed(pend.stack):
-            path = (
-                self._strings.get(entry.get("filename", -1))
-                if isinstance(entry.get("filename"), int)
-                else None
-            )
+            path = self._strings.get(entry.get("filename", -1)) if isinstance(entry.get("filename"), int) else None
             if path and not is_torch_internal(path):
                 return Frame(str(entry.get("name")), path, entry.get("line"))
         return frame

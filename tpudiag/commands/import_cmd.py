@@ -39,7 +39,7 @@ def cmd_import(args: argparse.Namespace, rest: list[str]) -> int:
 
     store = Store(resolve_db_path(args.db))
     result = import_paths(store, [Path(p) for p in args.paths], name=args.name)
-    for path, why in result.failed:
+    for _path, why in result.failed:
         sys.stderr.write(f"tpudiag: warning: skipped {why}\n")
     what = f"{result.events:,} trace events"
     if result.compile_events:

@@ -43,9 +43,7 @@ class Exporter(Protocol):
     name: str
     description: str
 
-    def export(
-        self, store: Store, run: dict[str, Any], out_dir: Path, options: ExportOptions
-    ) -> list[Path]: ...
+    def export(self, store: Store, run: dict[str, Any], out_dir: Path, options: ExportOptions) -> list[Path]: ...
 
 
 def exporter_specs() -> dict[str, str]:

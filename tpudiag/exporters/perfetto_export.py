@@ -32,13 +32,9 @@ def _metadata_events(tracks: list[tuple[int, int, int, str, str, bool]]) -> list
             seen.add(pid)
             label = f"rank {rank}: {process}" + (" (device)" if on_device else "")
             events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": label}})
-            events.append(
-                {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
-            )
+            events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": thread}})
-        events.append(
-            {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
-        )
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
     return events
 
 
@@ -53,9 +49,7 @@ def _flow_events(
         dpid, dtid = ids[(rank, dproc, dthread)]
         common = {"name": "launch", "cat": "flow", "id": fid}
         events.append({**common, "ph": "s", "pid": hpid, "tid": htid, "ts": _us(hstart - origin_ns)})
-        events.append(
-            {**common, "ph": "f", "bp": "e", "pid": dpid, "tid": dtid, "ts": _us(dstart - origin_ns)}
-        )
+        events.append({**common, "ph": "f", "bp": "e", "pid": dpid, "tid": dtid, "ts": _us(dstart - origin_ns)})
     return events
 
 
@@ -88,9 +82,7 @@ class PerfettoExporter:
                 },
             }
             with atomic_file(path) as raw:
-                fh = cast(
-                    IO[bytes], gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=3) if options.gzip else raw
-                )
+                fh = cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=3) if options.gzip else raw)
                 try:
                     self._write(fh, header, _metadata_events(tracks), flows, con, run["id"], origin, progress)
                 finally:

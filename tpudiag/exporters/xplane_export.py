@@ -80,9 +80,7 @@ def device_plane_name(process: str, index: int, device_kind: str | None) -> str:
 class _SpaceWriter:
     """Builds one rank's XSpace from its event stream."""
 
-    def __init__(
-        self, host: str, origin_ns: int, run: dict[str, Any], verdicts: dict[tuple[str, str | None], str]
-    ):
+    def __init__(self, host: str, origin_ns: int, run: dict[str, Any], verdicts: dict[tuple[str, str | None], str]):
         self.space = xp.XSpace(hostnames=[host])
         self.origin_ns = origin_ns
         self.run = run
@@ -105,9 +103,7 @@ class _SpaceWriter:
             self.devices[process] = plane
         return plane
 
-    def line(
-        self, on_device: bool, process: str, thread: str, multi_process: bool
-    ) -> tuple[xp.PlaneBuilder, Any]:
+    def line(self, on_device: bool, process: str, thread: str, multi_process: bool) -> tuple[xp.PlaneBuilder, Any]:
         key = (on_device, process, thread)
         found = self.lines.get(key)
         if found is None:
@@ -133,9 +129,7 @@ class _SpaceWriter:
         framework_op = row.get("framework_op")
         if framework_op:
             # A profiler spelling ("aten::addmm") becomes the op name the host plane uses for it.
-            stats["tf_op"] = (
-                framework_op_name(framework_op, None)[0] if "::" in framework_op else framework_op
-            )
+            stats["tf_op"] = framework_op_name(framework_op, None)[0] if "::" in framework_op else framework_op
         mid = plane.event_metadata(name, "", stats)
         self._symbols[key] = mid
         return mid
@@ -166,9 +160,7 @@ class _SpaceWriter:
         bounds = [0, *cuts.tolist(), n]
         module = pc.fill_null(col["module"], "\x00")
         device = pc.cast(col["on_device"], pa.string())
-        key = pc.binary_join_element_wise(
-            col["name"], module, col["category"], device, "\x1f"
-        ).dictionary_encode()
+        key = pc.binary_join_element_wise(col["name"], module, col["category"], device, "\x1f").dictionary_encode()
         key_idx = key.indices.to_numpy()
         offset_ps = (col["start_ns"].to_numpy() - self.origin_ns) * 1000
         duration_ps = np.maximum(col["dur_ns"].to_numpy(), 0) * 1000
@@ -180,9 +172,7 @@ class _SpaceWriter:
         flops = pc.fill_null(col["flops"], 0.0).to_numpy()
         for a, b in itertools.pairwise(bounds):
             first = {name: col[name][a].as_py() for name in ("on_device", "process", "thread")}
-            plane, line = self.line(
-                bool(first["on_device"]), first["process"], first["thread"], multi_process
-            )
+            plane, line = self.line(bool(first["on_device"]), first["process"], first["thread"], multi_process)
             seg = key_idx[a:b]
             uniq, first_rows = np.unique(seg, return_index=True)
             mids = np.zeros(len(key.dictionary), dtype=np.int64)
@@ -202,9 +192,7 @@ class _SpaceWriter:
                 self.ops += int(op_mask.sum())
             seg_verdict = verdict_ref[seg]
             if seg_verdict.any():
-                stats.append(
-                    StatColumn(plane.stat_id("numerics_verdict"), "ref", seg_verdict, seg_verdict > 0)
-                )
+                stats.append(StatColumn(plane.stat_id("numerics_verdict"), "ref", seg_verdict, seg_verdict > 0))
             seg_shape = shape_idx[a:b]
             if (seg_shape >= 0).any():
                 refs = np.zeros(len(shapes.dictionary) + 1, dtype=np.int64)
@@ -223,9 +211,7 @@ class _SpaceWriter:
         if not steps:
             return
         targets = [self.host]
-        targets += [
-            p for p in self.devices.values() if all(line.name != STEPS_LINE for line in p.plane.lines)
-        ]
+        targets += [p for p in self.devices.values() if all(line.name != STEPS_LINE for line in p.plane.lines)]
         for plane in targets:
             line = plane.line(len(plane.plane.lines) + 1, STEPS_LINE, self.origin_ns)
             for _rank, step, start, dur, kind in steps:

@@ -15,16 +15,13 @@ from tpudiag.store.database import Store
 TOP_TPU_OPS = 10
 
 
-def compile_events(
-    store: Store, run_id: str, exclude_kinds: tuple[str, ...] = ("tpu_eager",)
-) -> list[CompileEvent]:
+def compile_events(store: Store, run_id: str, exclude_kinds: tuple[str, ...] = ("tpu_eager",)) -> list[CompileEvent]:
     """The run's compile events except the (possibly numerous) excluded kinds, in emission order per rank."""
     names = column_names(CompileEvent)
     cols = ", ".join(f'"{n}"' for n in names)
     with store.reader() as r:
         rows = r.execute(
-            f"SELECT {cols} FROM compile_events WHERE run_id = ? AND NOT list_contains(?, kind) "
-            "ORDER BY rank, seq",
+            f"SELECT {cols} FROM compile_events WHERE run_id = ? AND NOT list_contains(?, kind) ORDER BY rank, seq",
             [run_id, list(exclude_kinds)],
         ).fetchall()
     return [CompileEvent(**dict(zip(names, row, strict=True))) for row in rows]

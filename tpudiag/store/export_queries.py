@@ -102,9 +102,7 @@ def _settle(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def _columns(con: duckdb.DuckDBPyConnection, table: str) -> set[str]:
-    rows = con.execute(
-        "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]
-    ).fetchall()
+    rows = con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]).fetchall()
     return {str(r[0]) for r in rows}
 
 
@@ -220,9 +218,7 @@ def chrome_event_json(con: duckdb.DuckDBPyConnection, run_id: str, origin_ns: in
     return reader
 
 
-def chrome_track_names(
-    con: duckdb.DuckDBPyConnection, run_id: str
-) -> list[tuple[int, int, int, str, str, bool]]:
+def chrome_track_names(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[int, int, int, str, str, bool]]:
     """(pid, tid, rank, process, thread, on_device) with the same numbering as ``chrome_event_json``."""
     rows = con.execute(
         """
@@ -238,9 +234,7 @@ def chrome_track_names(
     return [(int(r[0]), int(r[1]), int(r[2]), str(r[3]), str(r[4]), bool(r[5])) for r in rows]
 
 
-def chrome_flows(
-    con: duckdb.DuckDBPyConnection, run_id: str
-) -> list[tuple[int, str, str, int, int, str, str, int]]:
+def chrome_flows(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[int, str, str, int, int, str, str, int]]:
     """Host op -> device event links: (flow id, host process, host thread, host start, rank, device process,
     device thread, device start).
 
@@ -269,9 +263,7 @@ def chrome_flows(
         """,
         [run_id],
     ).fetchall()
-    return [
-        (int(r[0]), str(r[1]), str(r[2]), int(r[3]), int(r[4]), str(r[5]), str(r[6]), int(r[7])) for r in rows
-    ]
+    return [(int(r[0]), str(r[1]), str(r[2]), int(r[3]), int(r[4]), str(r[5]), str(r[6]), int(r[7])) for r in rows]
 
 
 def op_verdicts(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[tuple[str, str | None], str]:

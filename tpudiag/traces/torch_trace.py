@@ -89,9 +89,7 @@ def records(
             done += len(raw)
             if raw.startswith(b"\t"):
                 if meta is None:
-                    raise ImportFormatError(
-                        f"{path}:{lineno}: payload line before any record (not a TORCH_TRACE log?)"
-                    )
+                    raise ImportFormatError(f"{path}:{lineno}: payload line before any record (not a TORCH_TRACE log?)")
                 if keep:
                     lines.append(raw[1:].rstrip(b"\n"))
                 continue
@@ -147,9 +145,7 @@ def read_torch_trace(
         except OSError as err:
             raise ImportFormatError(f"cannot read {file}: {err.strerror or err}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise ImportFormatError(
-                f"{file}: unexpected record shape ({type(err).__name__}: {err})"
-            ) from None
+            raise ImportFormatError(f"{file}: unexpected record shape ({type(err).__name__}: {err})") from None
         events += builder.finish()
     if progress is _stderr_progress:
         sys.stderr.write("\n")

@@ -195,9 +195,7 @@ class PlaneBuilder:
             self._stat_ids[name] = sid
         return sid
 
-    def event_metadata(
-        self, name: str, display_name: str = "", stats: Mapping[str, StatValue] | None = None
-    ) -> int:
+    def event_metadata(self, name: str, display_name: str = "", stats: Mapping[str, StatValue] | None = None) -> int:
         """Id of the event metadata (name, display_name), created with ``stats`` the first time it is seen."""
         key = (name, display_name)
         mid = self._event_ids.get(key)
