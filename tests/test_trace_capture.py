@@ -143,3 +143,37 @@ def test_text_report_lists_slow_ops_and_steps(example_run: tuple[Path, dict]) ->
     assert f"steps: {data['steps']['count']} (optimizer)" in text
     top = data["slow_ops"][0]
     assert top["name"] in text
+
+
+def test_numerics_checking_beside_the_trace_is_not_ranked_as_the_scripts_ops(tmp_path: Path) -> None:
+    """With both collectors on, the oracle's float64 ops and the dispatch mode's wrapper stay out of slow ops."""
+    db = tmp_path / "both.duckdb"
+    out = run_tpudiag(
+        "capture",
+        "--db",
+        str(db),
+        "--collect",
+        "trace,numerics",
+        str(EXAMPLES / "train_mlp.py"),
+        "--epochs",
+        "1",
+        "--batches",
+        "2",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    store = Store(db)
+    run = queries.resolve_run(store, None)
+    counts = queries.trace_counts(store, run["id"])
+    assert counts.get("tpudiag_overhead", 0) > 0  # the checker really ran inside the trace
+    ops = queries.slow_ops(store, run["id"], limit=1000)
+    names = {o["name"] for o in ops}
+    assert "PythonDispatchMode" not in names
+    # Every ranked aten op ran in float32 (the script's dtype): no float64 oracle op leaked into the ranking.
+    with store.reader() as r:
+        leaked = r.execute(
+            "SELECT count(*) FROM trace_events WHERE run_id = ? AND category = 'cpu_op' AND dtypes LIKE '%double%'",
+            [run["id"]],
+        ).fetchall()[0][0]
+    assert leaked == 0
+    assert {"aten::gelu", "aten::addmm"} <= names

@@ -187,7 +187,8 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         tensors: list[torch.Tensor],
     ) -> None:
         if len(self.shadow):
-            self._carry_shadow(func, plan, args, kwargs, out, tensors)
+            with _tool_range():
+                self._carry_shadow(func, plan, args, kwargs, out, tensors)
         outputs = oracle.targets(plan, args, kwargs, out)
         if reason in ("sampled", "filtered", "budget", "off"):
             dtypes = json.dumps(sorted({dtype_name(t.dtype) for t in tensors}))
@@ -259,7 +260,8 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         snap: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         if plan.mutates:
             # Inputs as they were before the op writes them (any argument may alias a written one).
-            snap = oracle.convert(args, kwargs, lambda d: d)
+            with _tool_range():
+                snap = oracle.convert(args, kwargs, lambda d: d)
         shadows_in = self.shadow.has_any(tensors)
         shadow_subst: dict[int, torch.Tensor] = {}
         if shadows_in:
@@ -290,9 +292,10 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             duration_ns=int(op_s * 1e9),
         )
         try:
-            diffs = self._compare(
-                func, plan, seq, record, src_args, src_kwargs, args, kwargs, outputs, tensors, shadow_subst
-            )
+            with _tool_range():
+                diffs = self._compare(
+                    func, plan, seq, record, src_args, src_kwargs, args, kwargs, outputs, tensors, shadow_subst
+                )
         except _OracleFailed as failed:
             record = _replace(record, checked=False, skip_reason=failed.reason)
             diffs = []
@@ -595,3 +598,12 @@ def _device(tensors: list[torch.Tensor]) -> str | None:
         if t.device.type != "cpu":
             return str(t.device)
     return "cpu" if tensors else None
+
+
+# The checker's own work runs inside this profiler range, so a trace captured beside it can tell the script's ops
+# from the oracle's (tpudiag.traces.kineto marks everything under it as tool overhead, never as a slow op).
+TOOL_RANGE = "tpudiag::numerics"
+
+
+def _tool_range() -> Any:
+    return torch.autograd.profiler.record_function(TOOL_RANGE)

@@ -480,7 +480,7 @@ def to_tables(
         "process": decode(proc_codes, proc_label),
         "thread": decode(np.searchsorted(pair_codes, thread_key), thread_label),
         "name": names,
-        "category": cols.column("category"),
+        "category": _mark_tool_overhead(cols.column("category"), names, parent, depth),
         "start_ns": start,
         "dur_ns": dur,
         "self_ns": self_ns,
@@ -563,3 +563,32 @@ def steps_table(steps: Sequence[StepSpan], run_id: str, rank: int = 0) -> pa.Tab
         "rank": [rank] * len(steps),
     }
     return pa.table(cols, schema=arrow_schema(Step))
+
+
+TOOL_RANGE_PREFIX = "tpudiag::"
+TOOL_CATEGORY = "tpudiag_overhead"
+DISPATCH_WRAPPER = "PythonDispatchMode"
+DISPATCH_CATEGORY = "python_dispatch"
+
+
+def _mark_tool_overhead(category: pa.Array, names: Any, parent: np.ndarray, depth: np.ndarray) -> pa.Array:
+    """Events inside a ``tpudiag::`` range (the numerics checker's own work) get category ``tpudiag_overhead``.
+
+    They stay in the trace, so the time tpudiag spent is visible, but they are never ranked as the script's ops.
+    """
+    name_arr = names if isinstance(names, (pa.Array, pa.ChunkedArray)) else pa.array(names, pa.string())
+    if pa.types.is_dictionary(name_arr.type):
+        name_arr = name_arr.cast(pa.string())
+    mark = np.asarray(pc.starts_with(name_arr, TOOL_RANGE_PREFIX).to_numpy(zero_copy_only=False), dtype=bool)
+    # A Python dispatch mode's own wrapper event: its self time is the mode's Python work, not an op of the script
+    # (the op it dispatched is its child and keeps its category).
+    wrapper = np.asarray(pc.equal(name_arr, DISPATCH_WRAPPER).to_numpy(zero_copy_only=False), dtype=bool)
+    if not mark.any() and not wrapper.any():
+        return category
+    for level in range(1, int(depth.max()) + 1 if len(depth) else 0):
+        at = np.flatnonzero(depth == level)
+        mark[at] |= mark[parent[at]]
+    if pa.types.is_dictionary(category.type):
+        category = category.cast(pa.string())
+    category = pc.if_else(pa.array(wrapper), pa.scalar(DISPATCH_CATEGORY), category)
+    return pc.if_else(pa.array(mark), pa.scalar(TOOL_CATEGORY), category)
