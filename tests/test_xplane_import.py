@@ -87,3 +87,39 @@ def test_tpu_device_plane_ranks_framework_ops_by_device_time(db: Path) -> None:
     steps = queries.steps(store, run_id)
     assert [s["step"] for s in steps] == list(range(expected["steps"]))
     assert {s["kind"] for s in steps} == {"device_step"}
+
+
+_EVENTS_DB = (
+    "import sys\n"
+    "from xprof.convert.events_db.python import pywrap_events_db_c_api as e\n"
+    "e.xspace_to_parquet(input_path=sys.argv[1], output_path=sys.argv[2])\n"
+)
+
+
+@pytest.mark.parametrize(
+    "name", ["xla/jax_cpu_train_step.xplane.pb", "torch_tpu/host_only_cpu_activity.xplane.pb", "tpu_device"]
+)
+def test_in_process_reader_matches_xprof_events_db(shared_fixtures: Path, tmp_path: Path, name: str) -> None:
+    """Every column tpudiag reads equals xprof's own Events DB conversion (run in a child: it crashes on bad input)."""
+    pytest.importorskip("xprof")
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    path = SAMPLES / "tpu_device.xplane.pb" if name == "tpu_device" else shared_fixtures / name
+    out = tmp_path / "events.parquet"
+    subprocess.run([sys.executable, "-c", _EVENTS_DB, str(path), str(out)], check=True, capture_output=True)
+    ref = pq.read_table(out).to_pylist()
+    mine = xplane.read_events(path).to_pylist()
+
+    def key(r: dict[str, object]) -> tuple[object, ...]:
+        return (r["device"], r["stream_id"] or 0, r["thread_id"] or 0, r["start_ns"], r["kernel_name"], -r["end_ns"])  # type: ignore[operator]
+
+    assert len(mine) == len(ref)
+    for a, b in zip(sorted(ref, key=key), sorted(mine, key=key), strict=True):
+        for col in b:
+            if col in ("start_ns", "end_ns"):  # the Events DB goes through doubles: epoch times round to ~256 ns
+                assert abs(a[col] - b[col]) < 512, (col, a, b)
+            else:
+                assert a[col] == b[col], (col, a, b)

@@ -1,23 +1,16 @@
-"""XPlane (``*.xplane.pb``: TorchTPU, JAX, XProf captures) into trace_events rows, through xprof's Events DB.
+"""XPlane (``*.xplane.pb``: TorchTPU, JAX, XProf captures) into trace_events rows.
 
-xprof's Events DB (``xprof.convert.events_db``) turns an XSpace into a 31-column Parquet events table: host
-threads, TPU lines (``XLA Ops`` with HLO op, framework op, FLOPs and bytes; ``XLA Modules``; ``Steps``) and GPU
-streams with launch correlation ids.  We use it rather than a hand-written parser, and isolate it: the conversion
-runs in a child process because the native library crashes the process on some inputs (an empty file segfaults)
-and because importing duckdb after it has loaded segfaults too.  A failed or crashed child becomes one clear error
-naming the file.
-
-Event DB times are relative to the trace start (ns); rows keep them as they are, per file.
+The XSpace is parsed in-process with the descriptor-built protobuf classes (``xplane_proto``) and flattened by
+``xplane_events`` into the table xprof's Events DB would give (host threads, TPU lines ``XLA Ops`` with HLO op,
+framework op, FLOPs and bytes, ``XLA Modules``, ``Steps``, GPU streams with launch correlation ids); this module
+maps that table to trace_events rows.  A corrupt file is a protobuf DecodeError, which becomes one clear error
+naming the file.  Host times are kept as the file gives them (relative for jax CPU traces), per file.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +18,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
+from google.protobuf.message import DecodeError
 
 from tpudiag.analysis.steps import StepSpan, assign_steps, detect_steps
 from tpudiag.analysis.tree import nest_arrays, thread_codes
 from tpudiag.errors import ImportFormatError
 from tpudiag.model import TraceEvent, arrow_schema
+from tpudiag.traces import xplane_events, xplane_proto
 
 # Events DB category (the XLine name on device planes) -> our category.
 DEVICE_LINE_CATEGORIES = {
@@ -40,15 +34,6 @@ DEVICE_LINE_CATEGORIES = {
     "device": "kernel",  # GPU stream events
 }
 HOST_OP_CATEGORY = "cpu_op"
-_CONVERT = (
-    "import sys\n"
-    "from xprof.convert.events_db.python import pywrap_events_db_c_api as e\n"
-    "try:\n"
-    "    e.xspace_to_parquet(input_path=sys.argv[1], output_path=sys.argv[2])\n"
-    "except Exception as err:\n"
-    "    sys.stderr.write('tpudiag-error: ' + str(err).splitlines()[0] + '\\n')\n"
-    "    sys.exit(3)\n"
-)
 _STEP_NUM = re.compile(r"(?:^|,)step_num=(\d+)")
 _TRAILING_INT = re.compile(r"(\d+)$")
 _HLO_CATEGORY = re.compile(r"(?:^|,)hlo_category=([^,]*)")
@@ -62,42 +47,24 @@ class XPlaneTables:
     steps: list[StepSpan]
 
 
-def convert(path: Path, out: Path, timeout_s: float = 600.0) -> None:
-    """XSpace file -> Events DB Parquet, in a child process (crash isolation)."""
-    if path.stat().st_size == 0:
-        raise ImportFormatError(f"{path}: empty file")
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "GLOG_minloglevel": "3"}
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _CONVERT, str(path), str(out)],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env=env,
-        )
-    except subprocess.TimeoutExpired:
-        raise ImportFormatError(f"{path}: XPlane conversion took over {timeout_s:g} s; gave up") from None
-    if proc.returncode != 0 or not out.exists():
-        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("tpudiag-error: ")]
-        why = (
-            lines[-1][len("tpudiag-error: ") :]
-            if lines
-            else (
-                f"the xprof converter crashed (signal {-proc.returncode})"
-                if proc.returncode < 0
-                else f"the xprof converter failed (exit {proc.returncode})"
-            )
-        )
-        raise ImportFormatError(f"{path}: not a readable XPlane file ({why})")
-
-
 def load(path: Path, run_id: str, rank: int = 0, first_event_id: int = 0) -> XPlaneTables:
-    """Convert one XSpace file and map its events to trace_events rows."""
-    with tempfile.TemporaryDirectory(prefix="tpudiag-xplane-") as tmp:
-        out = Path(tmp) / "events.parquet"
-        convert(path, out)
-        raw = pq.read_table(out)
-    return to_tables(raw, run_id, rank=rank, first_event_id=first_event_id, host=host_of(path))
+    """Parse one XSpace file in-process and map its events to trace_events rows."""
+    return to_tables(read_events(path), run_id, rank=rank, first_event_id=first_event_id, host=host_of(path))
+
+
+def read_events(path: Path) -> pa.Table:
+    """XSpace file -> Events-DB-shaped table; an empty, truncated or corrupt file is one ImportFormatError."""
+    data = path.read_bytes()
+    if not data:
+        raise ImportFormatError(f"{path}: empty file")
+    try:
+        space = xplane_proto.parse_xspace(data)
+    except DecodeError as err:
+        raise ImportFormatError(f"{path}: not a readable XPlane file ({err})") from None
+    table = xplane_events.events_table(space)
+    if table.num_rows == 0:
+        raise ImportFormatError(f"{path}: not a readable XPlane file (no trace events in it)")
+    return table
 
 
 def host_of(path: Path) -> str:
