@@ -145,14 +145,19 @@ def _add_headlines(s: _Session, runs: list[dict[str, Any]], ids: list[str]) -> N
     slowest = s.rows(
         "headline_ops",
         """
-        WITH src AS (
-            SELECT run_id, bool_or(on_device) AS device, count(*) AS events
-            FROM trace_events WHERE list_contains(?, run_id) GROUP BY run_id
+        WITH summ AS (  -- finished runs: their op_summary rows
+            SELECT run_id, name, category, on_device, calls, self_ns FROM op_summary WHERE list_contains(?, run_id)
+        ), rows AS (
+            SELECT * FROM summ
+            UNION ALL  -- runs still being captured: their raw events
+            SELECT run_id, name, category, on_device, 1 AS calls, self_ns FROM trace_events
+            WHERE list_contains(?, run_id) AND run_id NOT IN (SELECT DISTINCT run_id FROM summ)
+        ), src AS (
+            SELECT run_id, bool_or(on_device) AS device, sum(calls) AS events FROM rows GROUP BY run_id
         ), agg AS (
             SELECT e.run_id, e.name, sum(e.self_ns) AS self_ns
-            FROM trace_events e JOIN src USING (run_id)
-            WHERE list_contains(?, e.run_id)
-              AND list_contains(CASE WHEN src.device THEN ? ELSE ? END, e.category)
+            FROM rows e JOIN src USING (run_id)
+            WHERE list_contains(CASE WHEN src.device THEN ? ELSE ? END, e.category)
             GROUP BY e.run_id, e.name
         )
         SELECT src.run_id, src.events, src.device, arg_max(agg.name, agg.self_ns) AS slowest_op,
