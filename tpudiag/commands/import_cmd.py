@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_import(args: argparse.Namespace, rest: list[str]) -> int:
+    _skip_pandas()
     from tpudiag.importer import import_paths
 
     store = Store(resolve_db_path(args.db))
@@ -49,3 +51,13 @@ def cmd_import(args: argparse.Namespace, rest: list[str]) -> int:
     )
     print(result.run_id)
     return 0
+
+
+def _skip_pandas() -> None:
+    """pyarrow imports pandas (~0.6 s) on its first ``pa.array()`` only to check for pandas inputs.
+
+    The import command never hands pandas objects to Arrow or DuckDB, so in this (short-lived, command-only)
+    process pandas is marked absent, which pyarrow and duckdb both handle.  Never done once pandas is loaded.
+    """
+    if "pandas" not in sys.modules and not os.environ.get("TPUDIAG_IMPORT_WITH_PANDAS"):
+        sys.modules["pandas"] = None  # type: ignore[assignment]
