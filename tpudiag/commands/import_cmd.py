@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.abc
 import os
 import sys
 from pathlib import Path
@@ -57,7 +58,15 @@ def _skip_pandas() -> None:
     """pyarrow imports pandas (~0.6 s) on its first ``pa.array()`` only to check for pandas inputs.
 
     The import command never hands pandas objects to Arrow or DuckDB, so in this (short-lived, command-only)
-    process pandas is marked absent, which pyarrow and duckdb both handle.  Never done once pandas is loaded.
+    process pandas is reported as not installed, which pyarrow and duckdb both handle.  Never done once pandas is
+    loaded, nor with ``TPUDIAG_IMPORT_WITH_PANDAS=1``.
     """
     if "pandas" not in sys.modules and not os.environ.get("TPUDIAG_IMPORT_WITH_PANDAS"):
-        sys.modules["pandas"] = None  # type: ignore[assignment]
+        sys.meta_path.insert(0, _NoPandas())
+
+
+class _NoPandas(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if fullname == "pandas" or fullname.startswith("pandas."):
+            raise ModuleNotFoundError(f"No module named {fullname!r} (skipped by tpudiag import)", name=fullname)
+        return None
