@@ -71,7 +71,8 @@ class Store:
         delay = 0.02
         while True:
             try:
-                return duckdb.connect(str(self.path), read_only=read_only)
+                # No progress bar: DuckDB would draw it on the user's terminal during long loads.
+                return duckdb.connect(str(self.path), read_only=read_only, config={"enable_progress_bar": False})
             except duckdb.Error as err:
                 if not _is_lock_error(err):
                     if "not a valid DuckDB database" in str(err) or "Is a directory" in str(err):
