@@ -71,8 +71,10 @@ class Store:
         delay = 0.02
         while True:
             try:
+                con = duckdb.connect(str(self.path), read_only=read_only)
                 # No progress bar: DuckDB would draw it on the user's terminal during long loads.
-                return duckdb.connect(str(self.path), read_only=read_only, config={"enable_progress_bar": False})
+                con.execute("SET enable_progress_bar = false")
+                return con
             except duckdb.Error as err:
                 if not _is_lock_error(err):
                     if "not a valid DuckDB database" in str(err) or "Is a directory" in str(err):
