@@ -119,13 +119,19 @@ def render_text(report: dict[str, Any]) -> str:
     run = report["run"]
     lines: list[str] = []
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run["started_at"] or 0))
-    lines.append(f"run {run['id']}  {run['name']!r}  [{run['status']}, exit {run['exit_code']}]")
-    lines.append(f"  script: {run['script']} {' '.join(run['argv'] or [])}".rstrip())
-    dur = run["duration_s"]
-    lines.append(
-        f"  started {started}, {dur if dur is not None else '?'} s on {run['host']} "
-        f"({run['device_kind']}: {run['device_name']}); torch {run['torch_version']}"
-    )
+    device = f"{run['device_kind']}: {run['device_name']}" if run["device_name"] else run["device_kind"] or "?"
+    if run.get("source") == "import":
+        lines.append(f"run {run['id']}  {run['name']!r}  [imported {started}]")
+        lines.append(f"  from: {' '.join(run['argv'] or [])}")
+        lines.append(f"  device: {device}")
+    else:
+        lines.append(f"run {run['id']}  {run['name']!r}  [{run['status']}, exit {run['exit_code']}]")
+        lines.append(f"  script: {run['script']} {' '.join(run['argv'] or [])}".rstrip())
+        dur = run["duration_s"]
+        lines.append(
+            f"  started {started}, {dur if dur is not None else '?'} s on {run['host']} ({device}); "
+            f"torch {run['torch_version']}"
+        )
     for note in run.get("notes") or []:
         lines.append(f"  note: {note}")
     for key, spec in SECTIONS.items():
