@@ -48,34 +48,6 @@ _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 Progress = Callable[[int], None]  # called with the number of events read so far
 
 
-def _encode(values: list[Any], table: dict[Any, int]) -> np.ndarray[Any, Any]:
-    """Codes of ``values`` in ``table`` (new values appended in first-appearance order), dictionary-encoded in C."""
-    try:
-        enc = pc.dictionary_encode(pa.array(values))
-    except (pa.ArrowInvalid, pa.ArrowTypeError):  # mixed int/str ids: the plain loop
-        return np.fromiter([table.setdefault(v, len(table)) for v in values], np.int32, len(values))
-    local = enc.dictionary.to_pylist()
-    remap = np.fromiter([table.setdefault(v, len(table)) for v in local], np.int32, len(local))
-    codes: np.ndarray[Any, Any] = remap[enc.indices.to_numpy(zero_copy_only=False)]
-    return codes
-
-
-def _encode_pairs(first: list[Any], second: list[Any], table: dict[Any, int]) -> np.ndarray[Any, Any]:
-    """Codes of ``(first[i], second[i])`` pairs in ``table``, as ``_encode`` does for single values."""
-    a_values: dict[Any, int] = {}
-    b_values: dict[Any, int] = {}
-    a = _encode(first, a_values).astype(np.int64)
-    b = _encode(second, b_values).astype(np.int64)
-    pair = a * max(len(b_values), 1) + b
-    uniq, first_at, inverse = np.unique(pair, return_index=True, return_inverse=True)
-    a_of, b_of = list(a_values), list(b_values)
-    remap = np.empty(len(uniq), np.int32)
-    for j in np.argsort(first_at):  # first-appearance order, like the plain loop
-        k = int(uniq[j])
-        remap[j] = table.setdefault((a_of[k // max(len(b_values), 1)], b_of[k % max(len(b_values), 1)]), len(table))
-    return remap[inverse.ravel()]
-
-
 class _Event(msgspec.Struct, gc=False):
     ph: str = ""
     cat: str = ""
@@ -279,9 +251,9 @@ class _Builder:
         start = whole.astype(np.int64) * 1000 + np.rint((ts - whole) * 1000).astype(np.int64)
         self._codes.append(
             (
-                _encode([e.name for e in xs], names),
-                _encode([e.cat for e in xs], cats),
-                _encode_pairs([e.pid for e in xs], [e.tid for e in xs], threads),
+                np.fromiter([names.setdefault(e.name, len(names)) for e in xs], np.int32, n),
+                np.fromiter([cats.setdefault(e.cat, len(cats)) for e in xs], np.int32, n),
+                np.fromiter([threads.setdefault((e.pid, e.tid), len(threads)) for e in xs], np.int32, n),
                 start,
                 np.maximum(np.rint(np.nan_to_num(dur) * 1000), 0).astype(np.int64),
             )
