@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 import tpudiag
 from tpudiag.errors import ImportFormatError, TpudiagError
 from tpudiag.model import CompileEvent, Run
 from tpudiag.spool import Spool
-from tpudiag.store import Store
+from tpudiag.store import Store, bulk_insert
 from tpudiag.traces import detect
 
 _RANK_SUFFIX = re.compile(r"_(\d+)$")
@@ -39,6 +41,9 @@ class ImportResult:
     compile_events: int = 0
     device_kind: str = "cpu"
     device_name: str | None = None
+    # The latest file's tables, kept in memory and written straight from Arrow (one file at a time: older ones
+    # go to the spool, so memory stays one file's worth).
+    pending: list[tuple[str, pa.Table]] = field(default_factory=list)
 
 
 class StatusLine:
@@ -120,9 +125,12 @@ def import_paths(
             artifacts_dir=str(run_dir),
         )
         status(f"writing {result.events:,} events to {store.path}", force=True)
+        run_dir.mkdir(parents=True, exist_ok=True)  # the run's artifacts folder, even when nothing was spooled
         with store.writer() as w:
             store.put_run(run, con=w)
             store.ingest_spool(run_id, spool.directory, con=w)
+            for table, data in result.pending:
+                bulk_insert.insert_arrow(w, table, data)
             store.summarize_run(run_id, w)
         status.done()
     except BaseException:
@@ -152,7 +160,7 @@ def _import_one(
             raise ImportFormatError(f"{path}: the trace holds no complete events")
         rank = trace.rank if trace.rank is not None else index
         tables = kineto.to_tables(trace, run_id, rank=rank, first_event_id=result.events)
-        _write(spool, tables.events, kineto.steps_table(tables.steps, run_id, rank=rank))
+        _write(spool, result, tables.events, kineto.steps_table(tables.steps, run_id, rank=rank))
         result.events += tables.events.num_rows
         props = trace.metadata.get("deviceProperties")
         if tables.events.column("on_device").to_pylist().count(True):
@@ -167,7 +175,7 @@ def _import_one(
         xt = xplane.load(path, run_id, rank=rank, first_event_id=result.events)
         if xt.events.num_rows == 0:
             raise ImportFormatError(f"{path}: the XPlane holds no events")
-        _write(spool, xt.events, kineto.steps_table(xt.steps, run_id, rank=rank))
+        _write(spool, result, xt.events, kineto.steps_table(xt.steps, run_id, rank=rank))
         kept = spool.directory.parent / "trace" / f"{index:03d}-{path.name}"
         kept.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, kept)  # beside the run: exporters hand the original to XProf
@@ -205,9 +213,10 @@ def _renumber(event: CompileEvent, seq: int) -> CompileEvent:
     return dataclasses.replace(event, seq=seq) if event.seq != seq else event
 
 
-def _write(spool: Spool, events: Any, steps: Any) -> None:
-    spool.write_table("trace_events", events)
-    spool.write_table("steps", steps)
+def _write(spool: Spool, result: ImportResult, events: pa.Table, steps: pa.Table) -> None:
+    for table, data in result.pending:
+        spool.write_table(table, data)
+    result.pending = [("trace_events", events), ("steps", steps)]
 
 
 def _progress(status: Callable[..., None], label: str, events: int) -> None:
