@@ -1,4 +1,4 @@
-"""XPlane import through xprof's Events DB: real jax/torch_tpu XSpaces and a synthetic TPU device plane."""
+"""XPlane import (in-process parse, checked against xprof's Events DB): jax/torch_tpu XSpaces, a synthetic TPU plane."""
 
 from __future__ import annotations
 
