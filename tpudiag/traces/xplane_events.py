@@ -18,8 +18,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from tpudiag.traces import xplane_proto as xp
-
 # Stats that become columns (not trace_args) on device lines, as in the Events DB.
 _DEVICE_COLUMN_STATS = frozenset({"tf_op", "flops", "bytes_accessed", "correlation_id", "kernel_details"})
 _U32 = 0xFFFFFFFF
@@ -34,19 +32,23 @@ def device_of(plane_name: str) -> str:
     return plane_name.lstrip("/")
 
 
-def _stat_text(stat: Any, plane: Any) -> str | None:
-    value = xp.stat_value(stat, plane)
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, bool):
-        return str(int(value))
-    return str(value)
-
-
-def _stats(stats: Any, plane: Any, names: dict[int, str]) -> list[tuple[str, str | None]]:
-    return [(names.get(s.metadata_id, ""), _stat_text(s, plane)) for s in stats]
+def _stats(stats: Any, names: dict[int, str]) -> list[tuple[str, str | None]]:
+    """(name, value as text) of each XStat; ``ref_value`` resolves to the referenced stat metadata's name."""
+    out: list[tuple[str, str | None]] = []
+    for s in stats:
+        kind = s.WhichOneof("value")
+        if kind == "ref_value":
+            text: str | None = names.get(s.ref_value)
+        elif kind == "str_value":
+            text = s.str_value
+        elif kind is None:
+            text = None
+        elif kind == "bytes_value":
+            text = s.bytes_value.hex()
+        else:
+            text = str(getattr(s, kind))
+        out.append((names.get(s.metadata_id, ""), text))
+    return out
 
 
 def events_table(space: Any) -> pa.Table:
@@ -97,7 +99,7 @@ def _plane_rows(plane: Any, cols: dict[str, list[Any]]) -> None:
     gpu = on_device and not plane.name.startswith("/device:TPU")
     stat_names = {k: m.name for k, m in plane.stat_metadata.items()}
     meta: dict[int, tuple[str, list[tuple[str, str | None]]]] = {
-        k: (m.display_name or m.name, _stats(m.stats, plane, stat_names)) for k, m in plane.event_metadata.items()
+        k: (m.display_name or m.name, _stats(m.stats, stat_names)) for k, m in plane.event_metadata.items()
     }
     modules = {
         dict(stats).get("program_id"): name
@@ -157,7 +159,7 @@ def _event_stats(
     ev: Any, meta: dict[int, tuple[str, list[tuple[str, str | None]]]], plane: Any, names: dict[int, str]
 ) -> tuple[str, list[tuple[str, str | None]]]:
     name, md_stats = meta.get(ev.metadata_id, ("", []))
-    return name, md_stats + _stats(ev.stats, plane, names)
+    return name, md_stats + _stats(ev.stats, names)
 
 
 def _step_roots(
