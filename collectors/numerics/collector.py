@@ -1,4 +1,7 @@
-"""The ``numerics`` collector: the dispatch mode around the whole script, rows spooled as it goes.
+"""The ``numerics`` collector: the dispatch mode on the script's watched steps, rows spooled as it goes.
+
+Step boundaries (optimizer steps, else root-module forwards) attach and detach the mode and its module hooks as
+``sampling.StepSchedule`` and ``--budget`` decide; a step the mode does not watch costs nothing.
 
 Also here: module paths for forward *and* backward ops (forward hooks tag the autograd nodes a module created, so
 a backward op knows the module whose forward made its node), the precision context of the run (TF32, float32
@@ -118,7 +121,11 @@ class NumericsCollector:
         self._entered = False
         self._settings: dict[str, Any] = {}
         self._detach_hook: Any = None
-        self._detached_at: int | None = None
+        self._step_hook: Any = None
+        self._hooks_on = False
+        self._root: Any = None
+        self._opt_steps = 0
+        self._steps = _StepState()
 
     # -- plugin protocol --------------------------------------------------------------------------------------
     def is_available(self) -> bool:
@@ -143,9 +150,7 @@ class NumericsCollector:
         device_kind = _device_kind()
         precision = environment.precision()
         self._tracker = ModuleTracker()
-        self._tracker.install()
         self._backward = _BackwardModules(self._tracker)
-        self._backward.install()
         tracker, backward = self._tracker, self._backward
 
         def module_of(phase: str) -> str | None:
@@ -175,13 +180,19 @@ class NumericsCollector:
             "precision": {"device_kind": device_kind, "emulated_matmul_units": list(mctx.emulations)},
         }
         self._register_compile_callback()
-        if options.budget_pct is not None:
-            from torch.nn.modules import module as nn_module
-
-            self._detach_hook = nn_module.register_module_forward_pre_hook(self._maybe_detach)
         if options.enabled:
-            self._mode.__enter__()
-            self._entered = True
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            from tpudiag.collectors.numerics.sampling import StepSchedule
+
+            self._steps.schedule = StepSchedule(watch_all=options.mode == "all")
+            # Registered (in _attach) before the module tracker's hooks: the tracker's stack is empty at a root.
+            self._step_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+            self._steps.t0 = time.perf_counter()
+            self._steps.spent0 = self._mode.budget.spent()
+            self._attach()
+            self._progress = threading.Thread(target=self._progress_loop, name="tpudiag-numerics", daemon=True)
+            self._progress.start()
             self._progress = threading.Thread(target=self._progress_loop, name="tpudiag-numerics", daemon=True)
             self._progress.start()
 
@@ -206,7 +217,7 @@ class NumericsCollector:
         if self._progress is not None:
             self._progress.join(timeout=5)
         self._clear_progress()
-        parts: list[Any] = [self._tracker, self._backward, self._detach_hook]
+        parts: list[Any] = [self._tracker, self._backward, self._detach_hook, self._step_hook]
         for part in parts:
             with contextlib.suppress(Exception):
                 part.remove()
@@ -221,14 +232,36 @@ class NumericsCollector:
             }
         )
         self._settings["precision"]["autocast_seen"] = sorted(self._mode.autocast_seen)
+        st = self._steps
+        self._settings["steps"] = {
+            "boundaries": "optimizer" if self._opt_steps else ("root_forward" if self._root is not None else None),
+            "total": st.step,
+            "watched": st.watched,
+            "unwatched": dict(st.unwatched),
+            "budget_detaches": st.budget_detaches,
+        }
+        budget: Any = self._mode.budget
+        if budget.pct is not None:
+            self._settings["budget"] = {
+                "pct": budget.pct,
+                "spent_s": round(budget.spent(), 4),
+                "entry_cost_per_op_us": round(budget.per_op_overhead_s * 1e6, 2),
+                "measured_correction_s": round(budget.correction_s, 4),
+                "elapsed_s": round(time.perf_counter() - self._mode.started, 4),
+            }
         path = self._ctx.run_dir / "numerics" / "settings.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self._settings, indent=1))
-        if self._detached_at is not None:
-            self._settings["detached_after_ops"] = self._detached_at
+        if st.unwatched:
+            parts_s = ", ".join(f"{n} for {reason}" for reason, n in sorted(st.unwatched.items()))
             self._ctx.note(
-                f"numerics: stopped watching ops after {self._detached_at}: the dispatch mode's own cost exceeded "
-                "--budget (ops after that were neither seen nor checked)"
+                f"numerics: {sum(st.unwatched.values())} of {st.step} steps ran without the checker ({parts_s}); "
+                "their op calls are counted as skipped from the last watched step, not seen one by one"
+            )
+        if st.budget_detaches:
+            self._ctx.note(
+                f"numerics: --budget {self._mode.budget.pct:g}% ran out {st.budget_detaches} time(s) inside a step; "
+                "the checker left at the next module boundary (ops after that in the step are counted as 'budget')"
             )
         if self._compiles:
             self._ctx.note(
@@ -247,16 +280,122 @@ class NumericsCollector:
         sys.stderr.flush()
 
     # -- helpers ----------------------------------------------------------------------------------------------
-    def _maybe_detach(self, module: Any, args: Any) -> None:
-        """Leave the dispatch stack when the mode alone costs more than --budget (a module boundary is safe)."""
-        mode: Any = self._mode
-        if not self._entered or mode is None or not mode.detach_requested:
-            return
-        if _on_top(mode):
-            mode.__exit__(None, None, None)
-            mode.active = False
+    def _attach(self) -> None:
+        """Module hooks on, mode pushed (only at a step boundary: no forward is running)."""
+        assert self._tracker is not None and self._backward is not None
+        if self._detach_hook is None:
+            from torch.nn.modules import module as nn_module
+
+            self._detach_hook = nn_module.register_module_forward_pre_hook(self._on_module)
+        if not self._hooks_on:
+            self._tracker.install()
+            self._backward.install()
+            self._hooks_on = True
+        if not self._entered:
+            self._mode.detach_requested = False
+            self._mode.__enter__()
+            self._entered = True
+
+    def _leave_mode(self) -> bool:
+        if self._entered and _on_top(self._mode):
+            self._mode.__exit__(None, None, None)
             self._entered = False
-            self._detached_at = mode.seq
+        return not self._entered
+
+    def _detach(self) -> None:
+        """Mode popped and module hooks off: the script runs as without tpudiag until the next attach."""
+        if self._leave_mode() and self._hooks_on:
+            assert self._tracker is not None and self._backward is not None
+            self._tracker.remove()
+            self._backward.remove()
+            self._hooks_on = False
+            if self._opt_steps and self._detach_hook is not None:
+                # Any global module hook sends every module call down torch's slow path: none while unwatched.
+                self._detach_hook.remove()
+                self._detach_hook = None
+
+    def _on_module(self, module: Any, args: Any) -> None:
+        """Root forwards are step boundaries for scripts without an optimizer; budget detach mid-step."""
+        if self._opt_steps == 0 and self._tracker is not None:
+            if self._root is None:
+                if self._entered and self._tracker.current() is None:
+                    self._root = module
+                    return
+            elif module is self._root:
+                self._boundary()
+                return
+        mode: Any = self._mode
+        # The first step is watched to its end (checks stop, the mode only counts) so that the calls of the steps
+        # not watched later can be counted from it: a one-step pass-through cost, charged to the budget.
+        if self._steps.profile is None:
+            return
+        if self._entered and mode is not None and mode.detach_requested and self._leave_mode():
+            self._steps.partial = True
+            self._steps.budget_detaches += 1
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._opt_steps += 1
+        self._boundary()
+
+    def _boundary(self) -> None:
+        """End of a step: learn from it, replay its ops if it was not watched, decide whether to watch the next."""
+        import torch
+
+        mode: Any = self._mode
+        if mode is None or not mode.active or torch.compiler.is_compiling():
+            return
+        st = self._steps
+        now = time.perf_counter()
+        took = now - st.t0
+        budget = mode.budget
+        spent_in_step = budget.spent() - st.spent0
+        if st.watching:
+            signatures = len(mode.sampler.counts)
+            if not st.partial:
+                st.schedule.step_done(signatures - st.signatures0)
+                st.profile = mode.step_calls
+            elif st.profile is None:
+                st.profile = mode.step_calls
+            if st.plain_s is not None and budget.pct is not None:
+                measured = max(took - st.plain_s, 0.0)
+                budget.correction_s += max(measured - spent_in_step, 0.0)
+                st.watch_cost_s = max(measured, spent_in_step)
+            else:
+                st.watch_cost_s = spent_in_step
+            if st.partial:
+                self._replay("budget", seen=mode.step_calls)
+            st.watched += 1
+        else:
+            st.plain_s = took if st.plain_s is None else min(st.plain_s, took)
+            self._replay(st.reason)
+            st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
+        mode.step_calls = {}
+        st.step += 1
+        want = st.schedule.wants(st.step)
+        affordable = budget.affords(st.watch_cost_s, now - mode.started)
+        st.watching = want and affordable
+        st.reason = "steady_state" if not want else "budget"
+        st.partial = False
+        if st.watching:
+            self._attach()
+        else:
+            self._detach()
+            st.watching = self._entered  # a mode of the script's own above ours: keep watching
+        st.signatures0 = len(mode.sampler.counts)
+        st.t0 = time.perf_counter()
+        st.spent0 = budget.spent()
+
+    def _replay(self, reason: str, seen: dict[tuple[str, str], list[Any]] | None = None) -> None:
+        """Record the calls of an unwatched step (or the unwatched rest of a step) as skipped for ``reason``."""
+        profile = self._steps.profile
+        if not profile or self._recorder is None:
+            return
+        seq = self._mode.seq
+        for (op, phase), (calls, flops) in profile.items():
+            done = seen.get((op, phase), [0, 0.0])[0] if seen else 0
+            rest = calls - done
+            if rest > 0:
+                self._recorder.aggregate(seq, op, phase, None, reason, flops * rest / calls, None, calls=rest)
 
     def _write(self, final: bool) -> None:
         from tpudiag.model import OpDiff, OpRecord
@@ -313,6 +452,28 @@ class NumericsCollector:
             from torch._dynamo.callback import callback_handler
 
             callback_handler.remove_start_callback(self._compile_cb)
+
+
+class _StepState:
+    """Where the step schedule stands (see ``sampling.StepSchedule``)."""
+
+    def __init__(self) -> None:
+        from tpudiag.collectors.numerics.sampling import StepSchedule
+
+        self.schedule = StepSchedule()
+        self.step = 0
+        self.watching = True
+        self.partial = False  # the budget detached the mode inside the current step
+        self.reason = "steady_state"  # why the current step is not watched
+        self.t0 = 0.0
+        self.spent0 = 0.0
+        self.signatures0 = 0
+        self.plain_s: float | None = None  # fastest unwatched step
+        self.watch_cost_s = 0.0  # extra seconds the last watched step cost
+        self.profile: dict[tuple[str, str], list[Any]] | None = None  # (op, phase) -> [calls, flops]
+        self.watched = 0
+        self.unwatched: dict[str, int] = {}
+        self.budget_detaches = 0
 
 
 def _on_top(mode: Any) -> bool:

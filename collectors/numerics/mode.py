@@ -121,6 +121,8 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.started = clock()
         self.seq = 0
         self.autocast_seen: set[str] = set()
+        # (op, phase) -> [calls, flops] in the current step: replayed as skipped rows for unwatched steps.
+        self.step_calls: dict[tuple[str, str], list[Any]] = {}
 
     # -- dispatch -------------------------------------------------------------------------------------------
     def __torch_dispatch__(
@@ -133,11 +135,16 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.seq += 1
         seq = self.seq
         self.budget.ops_seen += 1
-        if seq % 256 == 0 and self.budget.passthrough_over(self.clock() - self.started):
+        if seq % 64 == 0 and self.budget.exhausted(self.clock() - self.started):
             self.detach_requested = True
         self.recorder.findings.seen += 1
         plan = oracle.plan_for(func)
         phase = "backward" if torch._C._current_graph_task_id() >= 0 else "forward"
+        calls = self.step_calls.get((plan.name, phase))
+        if calls is None:
+            self.step_calls[(plan.name, phase)] = [1, 0.0]
+        else:
+            calls[0] += 1
         module = self.ctx.module_of(phase) if self.ctx.module_of is not None else None
         tensors = oracle.tensors_in(args, kwargs)
         reason = self._skip_reason(func, plan, module, tensors)
@@ -198,7 +205,10 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 else float(sum(t.numel() for t in outputs if isinstance(t, torch.Tensor)))
             )
             self.recorder.aggregate(seq, plan.name, phase, module, reason, flops, dtypes)
+            self.step_calls[(plan.name, phase)][1] += flops
             return
+        flops = _flops(func, args, kwargs, out, outputs)
+        self.step_calls[(plan.name, phase)][1] += flops
         dtypes, shapes = describe_inputs(tensors)
         self.recorder.op(
             OpRecord(
@@ -214,7 +224,7 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 device=_device(tensors),
                 checked=False,
                 skip_reason=reason,
-                flops=_flops(func, args, kwargs, out, outputs),
+                flops=flops,
                 kind=plan.kind,
             )
         )
@@ -325,6 +335,7 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             )
             if path is not None:
                 diffs = [_replace(d, repro_path=path) if d.role == "originator" else d for d in diffs]
+        self.step_calls[(plan.name, phase)][1] += record.flops or 0.0
         self.recorder.findings.checked += record.checked
         self.recorder.op(record)
         self.recorder.diffs(diffs)

@@ -17,7 +17,7 @@ import torch
 
 from tpudiag.model import OpDiff, OpRecord
 
-AGGREGATED_REASONS = ("sampled", "filtered", "budget", "off")
+AGGREGATED_REASONS = ("sampled", "filtered", "budget", "off", "steady_state")
 MAX_REPRO_BUNDLES = 20
 MAX_REPRO_BYTES = 256 << 20
 
@@ -63,7 +63,15 @@ class Recorder:
             self._diffs.extend(rows)
 
     def aggregate(
-        self, seq: int, op: str, phase: str | None, module: str | None, reason: str, flops: float, dtypes: str | None
+        self,
+        seq: int,
+        op: str,
+        phase: str | None,
+        module: str | None,
+        reason: str,
+        flops: float,
+        dtypes: str | None,
+        calls: int = 1,
     ) -> None:
         # Module kept only for filtered ops (the filter is by module); otherwise one row per op and phase.
         key = (op, phase, module if reason == "filtered" else None, reason)
@@ -71,7 +79,7 @@ class Recorder:
             agg = self._aggregates.get(key)
             if agg is None:
                 agg = self._aggregates[key] = _Aggregate(seq=seq, dtypes=dtypes)
-            agg.calls += 1
+            agg.calls += calls
             agg.flops += flops
 
     # -- draining -------------------------------------------------------------------------------------------

@@ -4,6 +4,18 @@ Checking every op of a training run against a CPU float64 oracle can cost 100x t
 first K calls of each (op, input shapes, dtypes) signature are checked; later calls of a signature repeat what was
 already seen.  ``--numerics all`` checks everything; ``--ops``/``--modules`` narrow the set; ``--budget PCT`` keeps
 the extra time (oracle work plus the mode's own per-op cost) within PCT percent of the script's own time.
+
+Step policy (``StepSchedule``).  A dispatch mode costs Python work on *every* op it sees, checked or not, so once
+nothing new is being learned the collector leaves the dispatch stack altogether.  Step boundaries are optimizer
+steps (a global ``Optimizer.step`` post-hook) or, in scripts that never step an optimizer, root-module forwards.
+The mode watches steps 0..WARMUP-1, keeps watching while a watched step still meets a new op signature, and then
+watches only every EVERY-th step; the steps in between run with no mode and no module hooks at all.  Their ops are
+recorded as skipped with reason ``steady_state`` (call counts replayed from the last fully watched step).
+``--numerics all`` watches every step.  With ``--budget PCT`` a step is watched only while the budget allows it:
+the cost of a watched step is measured as its wall time minus a plain (unwatched) step's, so the hidden dispatch
+and hook costs are charged too; before any plain step exists a calibrated per-op entry cost stands in.  When the
+budget runs out inside a step the mode leaves at the next module boundary; steps the schedule wanted but the
+budget refused are recorded as skipped with reason ``budget``.
 """
 
 from __future__ import annotations
@@ -15,6 +27,8 @@ from typing import Any
 from tpudiag.errors import UsageError
 
 DEFAULT_FIRST_K = 3
+WARMUP_STEPS = 3
+EVERY_STEPS = 50
 
 
 @dataclass(frozen=True)
@@ -96,19 +110,32 @@ class Budget:
     _avg_check_s: float = 0.0
     _checks: int = 0
 
+    correction_s: float = 0.0  # measured step cost the running estimate missed (hooks, dispatch)
+
+    def spent(self) -> float:
+        """Extra seconds so far: the mode's own time, the hidden per-op entry cost, and measured corrections."""
+        return self.extra_s + self.per_op_overhead_s * self.ops_seen + self.correction_s
+
     def allows(self, elapsed_s: float) -> bool:
         if self.pct is None:
             return True
-        spent = self.extra_s + self.per_op_overhead_s * self.ops_seen
+        spent = self.spent()
         own = max(elapsed_s - spent, 0.0)
         return spent + self._avg_check_s <= self.pct / 100.0 * own
 
-    def passthrough_over(self, elapsed_s: float) -> bool:
-        """True when the mode's per-op cost alone already eats the whole budget."""
-        if self.pct is None or elapsed_s < 1.0:
+    def exhausted(self, elapsed_s: float) -> bool:
+        """True when the extra time already spent is over the budget (the mode should leave the stack)."""
+        if self.pct is None:
             return False
-        spent = self.per_op_overhead_s * self.ops_seen
-        return spent > self.pct / 100.0 * max(elapsed_s - spent - self.extra_s, 0.0)
+        spent = self.spent()
+        return spent > self.pct / 100.0 * max(elapsed_s - spent, 0.0)
+
+    def affords(self, cost_s: float, elapsed_s: float) -> bool:
+        """Whether one more watched step of ``cost_s`` extra seconds stays within the budget."""
+        if self.pct is None:
+            return True
+        spent = self.spent()
+        return spent + cost_s <= self.pct / 100.0 * max(elapsed_s - spent, 0.0)
 
     def charge(self, seconds: float) -> None:
         self.extra_s += seconds
@@ -128,3 +155,21 @@ class Sampler:
         if self.options.mode == "all":
             return True
         return n < self.options.first_k
+
+
+@dataclass
+class StepSchedule:
+    """Which steps the mode watches (see the module docstring): warm-up, until steady, then every Nth step."""
+
+    watch_all: bool = False
+    warmup: int = WARMUP_STEPS
+    every: int = EVERY_STEPS
+    steady: bool = False
+
+    def step_done(self, new_signatures: int) -> None:
+        """After a fully watched step: steady once it met no op signature it had not met before."""
+        self.steady = new_signatures == 0
+
+    def wants(self, step: int) -> bool:
+        """Whether step ``step`` (0-based, about to start) should be watched."""
+        return self.watch_all or step < self.warmup or not self.steady or step % self.every == 0
