@@ -176,6 +176,14 @@ def _changing_shapes(shapes: list[dict[str, Any]]) -> list[str]:
 
 def render_section(section: dict[str, Any]) -> list[str]:
     s = section
+    if (
+        not s["compiles"]
+        and not s["graph_breaks"]
+        and not s["cache_hits"]
+        and not s["cache_misses"]
+        and not s.get("tpu_cache")
+    ):
+        return ["compile: nothing was compiled in this run (no torch.compile frame, no TorchTPU compilation)"]
     lines = [
         f"compile: {s['compiles']} compilation(s), {s['recompiles']} recompile(s), "
         f"{s['compile_time_s']:.2f} s compiling; {s['graph_breaks']} graph break(s); "
