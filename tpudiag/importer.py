@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 import tpudiag
 from tpudiag.errors import ImportFormatError, TpudiagError
@@ -163,7 +164,7 @@ def _import_one(
         _write(spool, result, tables.events, kineto.steps_table(tables.steps, run_id, rank=rank))
         result.events += tables.events.num_rows
         props = trace.metadata.get("deviceProperties")
-        if tables.events.column("on_device").to_pylist().count(True):
+        if pc.any(tables.events.column("on_device")).as_py():
             result.device_kind = "cuda"
             if isinstance(props, list) and props and isinstance(props[0], dict):
                 result.device_name = str(props[0].get("name") or "") or result.device_name

@@ -219,10 +219,11 @@ def _int_column(values: Sequence[int | None] | pa.Array | pa.ChunkedArray, n: in
 
 
 def decode(codes: IntArray, values: Sequence[str | None]) -> pa.Array:
-    """Strings from codes (negative -> null), through a dictionary array (no per-row Python objects)."""
+    """Strings from codes (negative -> null) as a dictionary array: no per-row Python objects, and no per-row
+    strings until a consumer needs them (DuckDB ingests dictionary columns directly)."""
     dictionary = pa.array(list(values) or [""], pa.string())
     indices = pa.array(np.maximum(codes, 0).astype(np.int32), mask=codes < 0)
-    return pc.cast(pa.DictionaryArray.from_arrays(indices, dictionary), pa.string())
+    return pa.DictionaryArray.from_arrays(indices, dictionary)
 
 
 def depth_levels(parent: IntArray) -> list[IntArray]:

@@ -23,7 +23,7 @@ def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> 
         raise ValueError(f"unknown table {table!r}")
     if data.num_rows == 0:
         return 0
-    data = data.cast(arrow_schema(BULK_TABLES[table]))
+    data = data.select(arrow_schema(BULK_TABLES[table]).names).cast(_target(data.schema, table))
     view = f"tpudiag_bulk_{next(_names)}"
     con.register(view, data)
     try:
@@ -32,3 +32,13 @@ def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> 
         con.unregister(view)
     rows: int = data.num_rows
     return rows
+
+
+def _target(have: pa.Schema, table: str) -> pa.Schema:
+    """The table's Arrow schema, keeping dictionary-encoded string columns encoded (DuckDB ingests them faster)."""
+    fields = []
+    for f in arrow_schema(BULK_TABLES[table]):
+        got = have.field(f.name).type
+        keep = pa.types.is_dictionary(got) and got.value_type == f.type
+        fields.append(pa.field(f.name, got, f.nullable) if keep else f)
+    return pa.schema(fields)

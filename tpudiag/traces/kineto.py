@@ -504,14 +504,15 @@ def to_tables(
         "launch_id": pa.array(launch_id, mask=launch_id < 0),
         "args": cols.column("args"),
     }
-    schema = arrow_schema(TraceEvent)
-    table = pa.table({f.name: _typed(columns[f.name], f.type) for f in schema}, schema=schema)
+    # string columns may stay dictionary-encoded (the spool casts, the store ingests them as they are)
+    table = pa.table({f.name: _typed(columns[f.name], f.type) for f in arrow_schema(TraceEvent)})
     return TraceTables(events=table, steps=steps)
 
 
 def _typed(value: Any, typ: pa.DataType) -> pa.Array | pa.ChunkedArray:
     if isinstance(value, pa.Array | pa.ChunkedArray):
-        return value if value.type == typ else value.cast(typ)
+        keep = value.type == typ or (pa.types.is_dictionary(value.type) and value.type.value_type == typ)
+        return value if keep else value.cast(typ)
     return pa.array(value, typ)
 
 
