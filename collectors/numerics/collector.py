@@ -222,6 +222,9 @@ class NumericsCollector:
             with contextlib.suppress(Exception):
                 part.remove()
         self._unregister_compile_callback()
+        for (op, phase), n in mode.spent_calls.items():
+            self._recorder.aggregate(mode.seq, op, phase, None, "budget", 0.0, None, n)
+        mode.spent_calls = {}
         self._write(final=True)
         f = self._recorder.findings
         self._settings.update(
@@ -369,6 +372,10 @@ class NumericsCollector:
             st.plain_s = took if st.plain_s is None else min(st.plain_s, took)
             self._replay(st.reason)
             st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
+        for (op, phase), n in mode.spent_calls.items():
+            flops = st.profile.get((op, phase), [1, 0.0]) if st.profile else [1, 0.0]
+            self._recorder.aggregate(mode.seq, op, phase, None, "budget", flops[1] * n / max(flops[0], 1), None, n)
+        mode.spent_calls = {}
         mode.step_calls = {}
         st.step += 1
         want = st.schedule.wants(st.step)

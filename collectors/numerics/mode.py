@@ -123,6 +123,8 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.autocast_seen: set[str] = set()
         # (op, phase) -> [calls, flops] in the current step: replayed as skipped rows for unwatched steps.
         self.step_calls: dict[tuple[str, str], list[Any]] = {}
+        # (op, phase) -> calls only counted because the budget was spent (recorded as "budget" by the collector).
+        self.spent_calls: dict[tuple[str, str], int] = {}
 
     # -- dispatch -------------------------------------------------------------------------------------------
     def __torch_dispatch__(
@@ -145,6 +147,10 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.step_calls[(plan.name, phase)] = [1, 0.0]
         else:
             calls[0] += 1
+        if self.detach_requested:
+            # Budget spent, mode still on the stack until a safe point: count the call, nothing else.
+            self.spent_calls[(plan.name, phase)] = self.spent_calls.get((plan.name, phase), 0) + 1
+            return func(*args, **kwargs)
         module = self.ctx.module_of(phase) if self.ctx.module_of is not None else None
         tensors = oracle.tensors_in(args, kwargs)
         reason = self._skip_reason(func, plan, module, tensors)
