@@ -120,3 +120,24 @@ def test_load_streams_in_small_chunks_with_the_same_result(shared_fixtures: Path
     evs = [e for e in _events(path) if e.get("ph") == "X"]
     assert pieces.columns.column("name").to_pylist() == [e["name"] for e in evs]
     assert pieces.columns.column("dur_ns").to_pylist() == [round(e["dur"] * 1000) for e in evs]
+
+
+def test_import_command_never_loads_pandas(tmp_path: Path) -> None:
+    """pyarrow pulls pandas in (~0.6 s) on its first array unless the import command keeps it out."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = (
+        "import sys\n"
+        "from tpudiag.cli import main\n"
+        "rc = main(['import', sys.argv[1], '--db', sys.argv[2]])\n"
+        "print(rc, 'pandas' in sys.modules)\n"
+    )
+    sample = REPO / "sample_traces" / "cpu_mlp.trace.json.gz"
+    db = tmp_path / "s.duckdb"
+    proc = subprocess.run([sys.executable, "-c", code, str(sample), str(db)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-2:] == ["0", "False"], proc.stdout
+    assert queries.list_runs(Store(db))  # and the import really happened
