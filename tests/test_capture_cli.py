@@ -142,7 +142,7 @@ def test_signals_give_130_and_143_and_the_run_is_stored_interrupted(
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=180)
     assert proc.returncode == code, err
     (run,) = _runs(db, tmp_path)
     assert run["status"] == "interrupted" and run["exit_code"] == code
