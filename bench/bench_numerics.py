@@ -149,7 +149,7 @@ def main() -> dict[str, Any]:
         db = Path(tmp) / "bench.duckdb"
         plain, budgeted = [], []
         checked_budget = 0
-        for _ in range(3):
+        for _ in range(5):
             plain.append(_captured_loop_s(script, db, "--collect", "none")[0])
             loop_s, checked_budget = _captured_loop_s(
                 script, db, "--collect", "numerics", "--numerics", "all", "--budget", str(BUDGET_PCT)

@@ -365,11 +365,17 @@ class NumericsCollector:
                 st.watch_cost_s = max(measured, spent_in_step)
             else:
                 st.watch_cost_s = spent_in_step
+                st.unmeasured.append((took, spent_in_step))
             if st.partial:
                 self._replay("budget", seen=mode.step_calls)
             st.watched += 1
         else:
             st.plain_s = took if st.plain_s is None else min(st.plain_s, took)
+            # Watched steps from before any plain step was timed: charge what they really cost (first-step
+            # warm-up included, which errs on the side of the budget).
+            for took_w, spent_w in st.unmeasured:
+                budget.correction_s += max(took_w - st.plain_s - spent_w, 0.0)
+            st.unmeasured.clear()
             self._replay(st.reason)
             st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
         for (op, phase), n in mode.spent_calls.items():
@@ -477,6 +483,7 @@ class _StepState:
         self.signatures0 = 0
         self.plain_s: float | None = None  # fastest unwatched step
         self.watch_cost_s = 0.0  # extra seconds the last watched step cost
+        self.unmeasured: list[tuple[float, float]] = []  # (wall, charged) of watched steps before a plain one
         self.profile: dict[tuple[str, str], list[Any]] | None = None  # (op, phase) -> [calls, flops]
         self.watched = 0
         self.unwatched: dict[str, int] = {}
