@@ -177,3 +177,7 @@ def test_numerics_checking_beside_the_trace_is_not_ranked_as_the_scripts_ops(tmp
         ).fetchall()[0][0]
     assert leaked == 0
     assert {"aten::gelu", "aten::addmm"} <= names
+    # An op dispatched through the checker's mode is recorded twice by Kineto (outer call, re-dispatch): it counts
+    # once, with the time of the call that did the work. 1 epoch x 2 batches = 2 calls of each layer.
+    gelu = [o for o in ops if o["name"] == "aten::gelu" and o["module"] == "blocks.1.act"]
+    assert [o["calls"] for o in gelu] == [2]

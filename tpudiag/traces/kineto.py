@@ -589,6 +589,10 @@ def _mark_tool_overhead(category: pa.Array, names: Any, parent: np.ndarray, dept
     for level in range(1, int(depth.max()) + 1 if len(depth) else 0):
         at = np.flatnonzero(depth == level)
         mark[at] |= mark[parent[at]]
+    # Under a dispatch mode an op is recorded twice: the outer call, then the mode's re-dispatch inside the wrapper.
+    # The inner one holds the real work, so the outer one is dispatch bookkeeping too (an op then counts once).
+    outer = parent[np.flatnonzero(wrapper)]
+    wrapper[outer[outer >= 0]] = True
     if pa.types.is_dictionary(category.type):
         category = category.cast(pa.string())
     category = pc.if_else(pa.array(wrapper), pa.scalar(DISPATCH_CATEGORY), category)
