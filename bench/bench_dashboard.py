@@ -104,8 +104,7 @@ def build_store(path: Path) -> tuple[Store, str, float]:
     steps = [make_step(run.id, s, t0 + s * 50_000_000, 50_000_000) for s in range(STEPS)]
     spool.write_records(Step, steps)
     with store.writer() as w:  # as a capture or import finishes a run: load, then summarize
-        store.ingest_spool(run.id, spool.directory, con=w)
-        store.summarize_run(run.id, w)
+        store.finish_run(run.id, spool.directory, con=w)
     return store, run.id, time.perf_counter() - t0_wall
 
 

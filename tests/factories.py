@@ -73,8 +73,7 @@ def store_with(store: Store, run: Run, tables: dict[type[Any], list[Any]]) -> No
     for cls, records in tables.items():
         spool.write_table(cls.TABLE, records_to_arrow(cls, records))
     with store.writer() as w:
-        store.ingest_spool(run.id, spool.directory, con=w)
-        store.summarize_run(run.id, w)
+        store.finish_run(run.id, spool.directory, con=w)
 
 
 def empty_table(cls: type[Any]) -> pa.Table:

@@ -153,8 +153,7 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
         notes=list(ctx.notes) + ([f"script ended with {outcome.error}"] if outcome.error else []),
     )
     with store.writer() as w:
-        store.ingest_spool(run_id, spool.directory, con=w)
-        store.summarize_run(run_id, w)
+        store.finish_run(run_id, spool.directory, con=w)
         store.put_run(final, con=w)
     with contextlib.suppress(OSError):
         _remove_empty_tree(spool.directory)

@@ -215,6 +215,12 @@ class Store:
                 p.unlink()
         return rows
 
+    def finish_run(self, run_id: str, spool_dir: Path, con: duckdb.DuckDBPyConnection) -> int:
+        """Load a finished run's last spooled parts and build its op summary, in the caller's transaction."""
+        rows = self.ingest_spool(run_id, spool_dir, con=con)
+        self.summarize_run(run_id, con)
+        return rows
+
     def summarize_run(self, run_id: str, con: duckdb.DuckDBPyConnection) -> None:
         """(Re)build the run's rows of ``op_summary`` from its trace events (call when a run is finished)."""
         con.execute("DELETE FROM op_summary WHERE run_id = ?", [run_id])
@@ -245,8 +251,9 @@ class Store:
         with self.writer() as w:
             for rid, _pid, _started, adir in stale:
                 if adir:
-                    self.ingest_spool(rid, Path(adir) / "spool", con=w)
-                self.summarize_run(rid, w)
+                    self.finish_run(rid, Path(adir) / "spool", con=w)
+                else:
+                    self.summarize_run(rid, w)
                 w.execute(
                     "UPDATE runs SET status = 'interrupted', notes = ? WHERE id = ? AND status = 'running'",
                     [
