@@ -10,6 +10,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED_FIXTURES = REPO.parent / "shared" / "fixtures"
 EXAMPLES = REPO / "examples"
+# A second interpreter with the real torch-tpu package (never in the main environment: `import torch` would load it).
+TPU_PYTHON = Path(os.environ.get("TPUDIAG_TPU_PYTHON", "/tmp/tpuvenv/bin/python"))
 
 
 def run_tpudiag(

@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import REPO, run_tpudiag
+from tests.conftest import REPO, TPU_PYTHON, run_tpudiag
 from tpudiag.store import Store, compile_queries
 from tpudiag.traces.torch_trace import read_torch_trace
 
@@ -206,7 +206,6 @@ def test_tpu_records_emitted_through_trace_structured(tmp_path: Path) -> None:
     assert torch is not None
 
 
-TPU_PYTHON = Path(os.environ.get("TPUDIAG_TPU_PYTHON", "/tmp/tpuvenv/bin/python"))
 TPU_SCRIPT = textwrap.dedent(
     """
     import json, os, sys

@@ -18,10 +18,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, TPU_PYTHON
 from tpudiag.traces import xplane_proto as xp
 
-TPU_PYTHON = Path(os.environ.get("TPUDIAG_TPU_PYTHON", "/tmp/tpuvenv/bin/python"))
 pytestmark = pytest.mark.skipif(not TPU_PYTHON.exists(), reason="no Python with torch-tpu (set TPUDIAG_TPU_PYTHON)")
 
 SCRIPT = r"""
