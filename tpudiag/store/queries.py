@@ -78,7 +78,7 @@ def slow_ops(store: Store, run_id: str, limit: int = 20, by_module: bool = True)
                 FROM {table}
                 WHERE run_id = ? AND list_contains(?, category)
                 GROUP BY {group}
-                ORDER BY self_us DESC, name
+                ORDER BY self_us DESC, name, module
                 LIMIT ?
                 """,
                 [run_id, list(HOST_OP_CATEGORIES), limit],
@@ -121,7 +121,7 @@ def device_slow_ops(
                    sum(flops) AS flops, sum(bytes) AS bytes_accessed
             FROM per_device_op
             GROUP BY op, module
-            ORDER BY self_us DESC, name
+            ORDER BY self_us DESC, name, module
             LIMIT ?
             """,
             [run_id, list(DEVICE_OP_CATEGORIES), limit],
