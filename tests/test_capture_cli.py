@@ -227,7 +227,9 @@ def test_concurrent_captures_all_land_and_a_reader_works_meanwhile(tmp_path: Pat
         for i in range(4)
     ]
     for p in procs:
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        assert p.stdout is not None
+        line = p.stdout.readline().strip()
+        assert line == "ready", p.stderr.read() if p.stderr and p.poll() is not None else "no output yet"
     # While all four run, a reader sees them.
     t0 = time.monotonic()
     during = _runs(db, tmp_path)
