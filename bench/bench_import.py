@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import bench_xplane
 from bench.common import BENCH_DIR
 
 FIXTURES = BENCH_DIR.parent.parent / "shared" / "fixtures"
 KINETO_SOURCE = FIXTURES / "kineto" / "rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz"
-XPLANE_SOURCE = FIXTURES / "xla" / "jax_cpu_train_step.xplane.pb"
 TARGET_EVENTS = int(os.environ.get("TPUDIAG_BENCH_IMPORT_EVENTS", "1000000"))
 
 
@@ -67,13 +66,6 @@ HTA_LOAD = (
     "t = Trace(trace_files={0: sys.argv[1]}, trace_dir='')\n"
     "t.parse_traces(max_ranks=1, use_multiprocessing=False)\n"
 )
-XPROF_OPSTATS = (
-    "import sys, shutil, tempfile, os\n"
-    "from xprof.convert import raw_to_tool_data as r\n"
-    "d = tempfile.mkdtemp(); p = os.path.join(d, 'h.xplane.pb'); shutil.copy(sys.argv[1], p)\n"
-    "data, _ = r.xspace_to_tool_data([p], 'framework_op_stats', {})\n"
-    "assert data\n"
-)
 
 
 def main() -> dict[str, Any]:
@@ -94,17 +86,7 @@ def main() -> dict[str, Any]:
             "tpudiag_events_per_s": round(n / ours),
             "targets": {"speedup_vs_hta": 10, "events_per_s": 1_000_000},
         }
-        if XPLANE_SOURCE.exists():
-            x = work / XPLANE_SOURCE.name
-            shutil.copy(XPLANE_SOURCE, x)
-            ours_x = _timed([sys.executable, "-m", "tpudiag", "import", str(x), "--db", str(work / "b.duckdb")])
-            xprof = _timed([sys.executable, "-c", XPROF_OPSTATS, str(x)])
-            result["xplane"] = {
-                "file": XPLANE_SOURCE.name,
-                "tpudiag_import_s": round(ours_x, 2),
-                "xprof_framework_op_stats_s": round(xprof, 2),
-                "speedup_vs_xprof": round(xprof / ours_x, 2),
-            }
+        result.update(bench_xplane.measure(work))
     return result
 
 
