@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from tests.factories import make_run, store_with
-from tpudiag.analysis.compile_events import CompileEventBuilder, parse_graph_break, recompile_reasons
+from tpudiag.analysis.compile_events import CompileEventBuilder
+from tpudiag.analysis.compile_text import parse_graph_break, recompile_reasons
 from tpudiag.compile_report import build_section, render_section, summarize
 from tpudiag.errors import ImportFormatError
 from tpudiag.model import CompileEvent

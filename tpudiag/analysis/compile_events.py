@@ -28,11 +28,11 @@ Events of one Dynamo compilation are held until its ``compilation_metrics`` arri
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpudiag.analysis.compile_text import clip, is_torch_internal, parse_graph_break, recompile_reasons, source_name
 from tpudiag.model import CompileEvent
 
 CACHE_ARTIFACTS: dict[str, tuple[str, bool | None]] = {
@@ -50,84 +50,7 @@ GRAPH_BREAK_ARTIFACT = "dynamo_graph_break_reason"
 
 # Artifacts whose payload the builder reads; other payloads (graphs, code, guards) are never decoded.
 _PAYLOAD_ARTIFACTS = frozenset([*CACHE_ARTIFACTS, TPU_EAGER_ARTIFACT, *TPU_GRAPH_ARTIFACTS, GRAPH_BREAK_ARTIFACT])
-MAX_TEXT = 4000
 MAX_INPUTS = 16
-
-_GB_LOCATION = re.compile(r"Graph break in user code at (.+):(\d+)")
-_TB_FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
-_RECOMPILE_PREFIX = re.compile(r"^\d+/\d+: ", re.MULTILINE)
-_PLAIN_SOURCE = re.compile(r"^L\['([^']+)'\]((?:\[\d+\])*)$")
-
-
-def _clip(text: str | None, limit: int = MAX_TEXT) -> str | None:
-    if text is None:
-        return None
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def is_torch_internal(path: str | None) -> bool:
-    """A file of torch itself (a wrapper frame such as ``external_utils.inner``), not the user's code."""
-    if not path:
-        return False
-    p = path.replace("\\", "/")
-    return "-packages/torch/" in p or "/torch/_dynamo/" in p
-
-
-def recompile_reasons(text: str | None) -> list[str]:
-    """``"0/0: tensor 'x' size mismatch ...\\n0/1: ..."`` -> one reason per failed cache entry.
-
-    Only the first line of each entry is kept (later lines repeat the user stack of the guard).
-    """
-    if not text:
-        return []
-    out: list[str] = []
-    for chunk in _RECOMPILE_PREFIX.split(text.strip()):
-        line = chunk.strip().splitlines()[0].strip() if chunk.strip() else ""
-        # Guards print their source as a trailing "# code  # file:line in fn" comment.
-        line = re.sub(r"\s{2,}#.*$", "", line).strip()
-        if line and line not in out:
-            out.append(line)
-    return out
-
-
-@dataclass(frozen=True)
-class GraphBreak:
-    file: str | None
-    line: int | None
-    function: str | None
-    reason: str
-    message: str
-
-
-def parse_graph_break(text: str) -> GraphBreak:
-    """A ``dynamo_graph_break_reason`` payload -> where the break is in user code and why (one line)."""
-    file: str | None = None
-    line: int | None = None
-    function: str | None = None
-    m = _GB_LOCATION.search(text)
-    if m:
-        file, line = m.group(1), int(m.group(2))
-    head, _, _ = text.partition("Traceback (most recent call last)")
-    user_part = head.partition("User code traceback:")[2]
-    frames = [f for f in (_TB_FRAME.match(s) for s in user_part.splitlines()) if f]
-    if frames:
-        file, line, function = frames[-1].group(1), int(frames[-1].group(2)), frames[-1].group(3).strip()
-    body = head.partition("Graph Break Reason:")[2] or head
-    lines = [s.strip() for s in body.splitlines() if s.strip()]
-    # Line 1 says what Dynamo was doing ("Encountered graph break when ..."); then the graph-break type and
-    # its "Explanation:" line, the two parts that read as a reason.
-    if lines and lines[0].startswith(("Encountered graph break", "Failed to handle graph break")) and len(lines) > 1:
-        lines = lines[1:]
-    reason = lines[0] if lines else "graph break"
-    if len(lines) > 1 and lines[1].startswith("Explanation:"):
-        reason += ": " + lines[1].removeprefix("Explanation:").strip()
-    return GraphBreak(file, line, function, reason, _clip(head.strip()) or "")
-
-
-def _source_name(source: str) -> str | None:
-    """``L['x']`` -> ``x``, ``L['args'][0]`` -> ``args[0]``; parameters, buffers and attributes -> None."""
-    m = _PLAIN_SOURCE.match(source)
-    return m.group(1) + m.group(2) if m else None
 
 
 @dataclass
@@ -209,7 +132,7 @@ class CompileEventBuilder:
         if "describe_source" in metadata:
             s = metadata["describe_source"]
             pend = self._pend(key)
-            name = _source_name(str(s.get("source", "")))
+            name = source_name(str(s.get("source", "")))
             size = pend.tensors.get((s.get("describer_id", 0), s.get("id", 0)))
             if name is not None and size is not None and len(pend.inputs) < MAX_INPUTS:
                 pend.inputs[name] = size
@@ -267,7 +190,7 @@ class CompileEventBuilder:
             failed = bool(art.get("compile_failed", False))
             body: dict[str, Any] = {
                 "compile_failed": failed,
-                "aten_graph": _clip(payload) if not art.get("cache_hit") else None,
+                "aten_graph": clip(payload) if not art.get("cache_hit") else None,
             }
             event = {
                 **base,
@@ -289,7 +212,7 @@ class CompileEventBuilder:
                 "artifact": name,
                 "chars": len(text),
                 "lines": text.count("\n") + 1,
-                "head": _clip(text),
+                "head": clip(text),
             }
             return self._emit(key, {**base, "kind": "tpu_graph", "reason": name, "payload": json.dumps(graph)})
         if name in CACHE_ARTIFACTS:
@@ -387,7 +310,7 @@ class CompileEventBuilder:
                 "backend_compile_time_s": m.get("backend_compile_time_s"),
                 "inductor_compile_time_s": m.get("inductor_compile_time_s"),
                 "fail_type": m.get("fail_type"),
-                "fail_reason": _clip(m.get("fail_reason")),
+                "fail_reason": clip(m.get("fail_reason")),
                 "call_site": _call_site(pend.stack, self._strings),
             }
             is_recompile = bool(reasons) or (key[2] or 0) > 0
