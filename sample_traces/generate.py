@@ -52,15 +52,23 @@ def tpu_device_xspace() -> tuple[Any, dict[str, Any]]:
         step_len = sum(op[3] for op in TPU_OPS) + 10_000_000
         tpu.add_event(steps, str(step), offset, step_len, stats={"group_id": step, "step_num": step})
         host.add_event(hline, f"ProfilerStep#{step}", offset, step_len)
-        tpu.add_event(modules, "jit_train_step(7)", offset, step_len - 5_000_000,
-                      metadata_stats={"program_id": 7})
+        tpu.add_event(modules, "jit_train_step(7)", offset, step_len - 5_000_000, metadata_stats={"program_id": 7})
         t = offset + 1_000_000
         for k, (hlo, cat, fw, dur, flops, nbytes) in enumerate(TPU_OPS):
             tpu.add_event(
-                ops, hlo, t, dur, stats={"group_id": step},
+                ops,
+                hlo,
+                t,
+                dur,
+                stats={"group_id": step},
                 metadata_stats={
-                    "program_id": 7, "symbol_id": k + 1, "hlo_category": cat, "tf_op": f"{fw}:{fw.split('::')[-1]}",
-                    "flops": flops, "bytes_accessed": nbytes, "long_name": f"%{hlo} = ...",
+                    "program_id": 7,
+                    "symbol_id": k + 1,
+                    "hlo_category": cat,
+                    "tf_op": f"{fw}:{fw.split('::')[-1]}",
+                    "flops": flops,
+                    "bytes_accessed": nbytes,
+                    "long_name": f"%{hlo} = ...",
                 },
             )
             e = expected[fw]
@@ -71,6 +79,57 @@ def tpu_device_xspace() -> tuple[Any, dict[str, Any]]:
             t += dur
         offset += step_len
     return space, {"ops": dict(expected), "steps": TPU_STEPS, "xla_ops": TPU_STEPS * len(TPU_OPS)}
+
+
+def tpu_large_xspace(events: int, cores: int = 4, ops_per_step: int = 500) -> Any:
+    """A large synthetic TPU XSpace (benchmarks): ``cores`` TPU planes of ``Steps``, ``XLA Modules`` and ``XLA Ops``.
+
+    About ``events`` events in all, built with the same builder as ``tpu_device_xspace``: each core runs the same
+    jitted step, ``ops_per_step`` HLO ops cycling over 64 metadata entries (shared metadata with program_id,
+    symbol_id, hlo_category, tf_op, flops, bytes_accessed), every op event with its own ``group_id`` stat.
+    """
+    from tpudiag.traces import xplane_proto as xp
+
+    space = xp.XSpace()
+    space.hostnames.append("tpu-host")
+    host = xp.PlaneBuilder.new(space, "/host:CPU", 1)
+    hline = host.line(1, "python", timestamp_ns=1_700_000_000_000_000_000)
+    steps = max(1, events // (cores * (ops_per_step + 2)))
+    kinds = [(f"{hlo}.{k}", cat, fw) for k in range(64) for hlo, cat, fw, *_ in [TPU_OPS[k % len(TPU_OPS)]]]
+    for core in range(cores):
+        tpu = xp.PlaneBuilder.new(space, f"/device:TPU:{core}", 2 + core)
+        t0 = 1_700_000_000_000_000_000
+        step_line, module_line, op_line = (
+            tpu.line(i + 1, n, t0) for i, n in enumerate(("Steps", "XLA Modules", "XLA Ops"))
+        )
+        offset = 0
+        for step in range(steps):
+            step_len = ops_per_step * 1_000_000 + 2_000_000
+            tpu.add_event(step_line, str(step), offset, step_len, stats={"group_id": step, "step_num": step})
+            if core == 0:
+                host.add_event(hline, f"ProfilerStep#{step}", offset, step_len)
+            tpu.add_event(
+                module_line, "jit_train_step(7)", offset, step_len - 1_000_000, metadata_stats={"program_id": 7}
+            )
+            for k in range(ops_per_step):
+                hlo, cat, fw = kinds[k % len(kinds)]
+                tpu.add_event(
+                    op_line,
+                    hlo,
+                    offset + 500_000 + k * 1_000_000,
+                    900_000 - (k % 7) * 1_000,
+                    stats={"group_id": step},
+                    metadata_stats={
+                        "program_id": 7,
+                        "symbol_id": k % len(kinds) + 1,
+                        "hlo_category": cat,
+                        "tf_op": f"{fw}:{fw.split('::')[-1]}",
+                        "flops": 1_000 * (k % 64 + 1),
+                        "bytes_accessed": 4_096 * (k % 16 + 1),
+                    },
+                )
+            offset += step_len
+    return space
 
 
 def write_tpu() -> None:

@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from google.protobuf.message import DecodeError
 
-from tpudiag.analysis.steps import StepSpan, assign_steps, detect_steps
-from tpudiag.analysis.tree import nest_arrays, thread_codes
+from tpudiag.analysis.steps import StepSpan, detect_steps, step_array
+from tpudiag.analysis.tree import decode, nest_arrays
 from tpudiag.errors import ImportFormatError
 from tpudiag.model import TraceEvent, arrow_schema
-from tpudiag.traces import xplane_events, xplane_proto
+from tpudiag.traces import xplane_events
 
 # Events DB category (the XLine name on device planes) -> our category.
 DEVICE_LINE_CATEGORIES = {
@@ -49,22 +49,26 @@ class XPlaneTables:
 
 def load(path: Path, run_id: str, rank: int = 0, first_event_id: int = 0) -> XPlaneTables:
     """Parse one XSpace file in-process and map its events to trace_events rows."""
-    return to_tables(read_events(path), run_id, rank=rank, first_event_id=first_event_id, host=host_of(path))
+    return to_tables(read_columns(path), run_id, rank=rank, first_event_id=first_event_id, host=host_of(path))
 
 
-def read_events(path: Path) -> pa.Table:
-    """XSpace file -> Events-DB-shaped table; an empty, truncated or corrupt file is one ImportFormatError."""
+def read_columns(path: Path) -> xplane_events.EventColumns:
+    """XSpace file -> its events; an empty, truncated or corrupt file is one ImportFormatError."""
     data = path.read_bytes()
     if not data:
         raise ImportFormatError(f"{path}: empty file")
     try:
-        space = xplane_proto.parse_xspace(data)
+        events = xplane_events.read(data)
     except DecodeError as err:
         raise ImportFormatError(f"{path}: not a readable XPlane file ({err})") from None
-    table = xplane_events.events_table(space)
-    if table.num_rows == 0:
+    if events.num_rows == 0:
         raise ImportFormatError(f"{path}: not a readable XPlane file (no trace events in it)")
-    return table
+    return events
+
+
+def read_events(path: Path) -> pa.Table:
+    """XSpace file -> Events-DB-shaped table (one row per event)."""
+    return read_columns(path).table()
 
 
 def host_of(path: Path) -> str:
@@ -72,90 +76,93 @@ def host_of(path: Path) -> str:
     return path.name.removesuffix(".pb").removesuffix(".xplane").removesuffix(".xspace")
 
 
-def to_tables(raw: pa.Table, run_id: str, rank: int = 0, first_event_id: int = 0, host: str = "") -> XPlaneTables:
-    """Events DB rows -> trace_events rows (categories, nesting, steps) and step spans."""
-    n = raw.num_rows
-    device: list[str] = [d or "" for d in raw.column("device").to_pylist()]
-    line_cat: list[str] = [c or "" for c in raw.column("category").to_pylist()]
-    thread_name = raw.column("thread_name").to_pylist()
-    thread_id = raw.column("thread_id").to_pylist()
-    stream_id = raw.column("stream_id").to_pylist()
-    kernel = raw.column("kernel_name").to_pylist()
-    hlo_op = raw.column("hlo_op").to_pylist()
-    tf_op = raw.column("tf_op_name").to_pylist()
-    tf_type = raw.column("tf_op_type").to_pylist()
-    trace_args = raw.column("trace_args").to_pylist()
-    step_names = raw.column("step").to_pylist()
+def to_tables(
+    ev: xplane_events.EventColumns, run_id: str, rank: int = 0, first_event_id: int = 0, host: str = ""
+) -> XPlaneTables:
+    """Events -> trace_events rows (categories, nesting, steps) and step spans.
 
-    on_device = np.array([c in DEVICE_LINE_CATEGORIES for c in line_cat], dtype=bool)
+    Every column but the times, nesting and steps is computed once per event group and expanded with numpy.
+    """
+    g = ev.groups
+    group = ev.group
+    n = ev.num_rows
+    line_cat: list[str] = [c or "" for c in g["category"]]
+    kernel: list[str] = [k or "" for k in g["kernel_name"]]
+    on_device_g = np.array([c in DEVICE_LINE_CATEGORIES for c in line_cat], dtype=bool)
     category = [
         DEVICE_LINE_CATEGORIES.get(c)
-        or (
-            HOST_OP_CATEGORY
-            if tf_type[i]
-            else "python_function"
-            if (kernel[i] or "").startswith(_PYTHON_FRAME)
-            else "host"
-        )
-        for i, c in enumerate(line_cat)
+        or (HOST_OP_CATEGORY if tf_type else "python_function" if k.startswith(_PYTHON_FRAME) else "host")
+        for c, tf_type, k in zip(line_cat, g["tf_op_type"], kernel, strict=True)
     ]
-    name = [hlo_op[i] if on_device[i] and hlo_op[i] else (kernel[i] or "") for i in range(n)]
+    name = [h if dev and h else k for dev, h, k in zip(on_device_g.tolist(), g["hlo_op"], kernel, strict=True)]
     thread = [
-        (c if on_device[i] and c != "device" else f"stream {stream_id[i]}")
-        if on_device[i]
-        else (thread_name[i] or str(thread_id[i]))
-        for i, c in enumerate(line_cat)
+        (c if c != "device" else f"stream {sid}") if dev else (tname or str(tid))
+        for dev, c, sid, tname, tid in zip(
+            on_device_g.tolist(), line_cat, g["stream_id"], g["thread_name"], g["thread_id"], strict=True
+        )
     ]
-    process = [f"{host}:{d}" if host else d for d in device]
-    start = pc.cast(raw.column("start_ns"), pa.int64()).to_numpy()
-    end = pc.cast(raw.column("end_ns"), pa.int64()).to_numpy()
+    process = [f"{host}:{d or ''}" if host else (d or "") for d in g["device"]]
+    threads: dict[tuple[str, str], int] = {}
+    thread_code = np.array(
+        [threads.setdefault(t, len(threads)) for t in zip(process, thread, strict=True)], dtype=np.int64
+    )
+    start, end = ev.start_ns, ev.end_ns
     dur = np.maximum(end - start, 0)
-    parent, depth, _ = nest_arrays(thread_codes(list(zip(process, thread, strict=True))), start, dur)
-    self_ns = pc.cast(raw.column("self_time_ns"), pa.int64()).to_numpy(zero_copy_only=False)
-
-    steps = _steps(kernel, trace_args, line_cat, start, dur, parent, name)
-    step_of = _step_numbers(step_names, start, steps)
+    parent, depth, _ = nest_arrays(thread_code[group], start, dur)
+    on_device = on_device_g[group]
+    name_column = _strings(name, group)
+    steps = _steps(ev, line_cat, kernel, start, dur, parent, name_column)
     hlo_category = [
-        (m.group(1) if (m := _HLO_CATEGORY.search(a or "")) else None) if on_device[i] else None
-        for i, a in enumerate(trace_args)
+        (m.group(1) if (m := _HLO_CATEGORY.search(a or "")) else None) if dev else None
+        for dev, a in zip(on_device_g.tolist(), g["trace_args"], strict=True)
     ]
-    args = _args_column(raw, trace_args)
-    shapes = [json.dumps(t) if t else None for t in raw.column("input_tensors").to_pylist()]
-    memory = pc.cast(raw.column("memory_accessed"), pa.float64())
-    columns: dict[str, Any] = {
-        "run_id": [run_id] * n,
-        "event_id": np.arange(first_event_id, first_event_id + n, dtype=np.int64),
-        "source": ["xplane"] * n,
-        "process": process,
-        "thread": thread,
-        "name": name,
-        "category": category,
-        "start_ns": start,
-        "dur_ns": dur,
-        "self_ns": np.where(on_device, self_ns, _host_self(parent, dur)),
-        "depth": depth,
+    columns: dict[str, pa.Array] = {
+        "run_id": _strings([run_id], np.zeros(n, dtype=np.int64)),
+        "event_id": pa.array(np.arange(first_event_id, first_event_id + n, dtype=np.int64)),
+        "source": _strings(["xplane"], np.zeros(n, dtype=np.int64)),
+        "process": _strings(process, group),
+        "thread": _strings(thread, group),
+        "name": name_column,
+        "category": _strings(category, group),
+        "start_ns": pa.array(start),
+        "dur_ns": pa.array(dur),
+        "self_ns": pa.array(np.where(on_device, ev.self_time_ns, _host_self(parent, dur))),
+        "depth": pa.array(depth),
         "parent_id": pa.array(parent + first_event_id, mask=parent < 0),
-        "rank": np.full(n, rank, dtype=np.int64),
-        "step": pa.array(step_of, pa.int64()),
-        "module": [None] * n,
-        "phase": [None] * n,
-        "source_loc": raw.column("source_line"),
-        "shapes": shapes,
-        "dtypes": [None] * n,
-        "seq_nr": [None] * n,
-        "external_id": [None] * n,
-        "correlation": pc.cast(raw.column("correlation_id"), pa.int64()),
-        "on_device": on_device,
-        "flops": pc.cast(raw.column("flops"), pa.float64()),
-        "bytes_accessed": memory,
-        "framework_op": [_framework_op(tf_op[i]) if on_device[i] else None for i in range(n)],
-        "hlo_category": hlo_category,
-        "launch_id": [None] * n,
-        "args": args,
+        "rank": pa.array(np.full(n, rank, dtype=np.int64)),
+        "step": _step_numbers(ev, start, steps),
+        "correlation": _numbers(g["correlation_id"], group, pa.int64()),
+        "on_device": pa.array(on_device),
+        "flops": _numbers(g["flops"], group, pa.float64()),
+        "bytes_accessed": _numbers(g["memory_accessed"], group, pa.float64()),
+        "framework_op": _strings(
+            [_framework_op(t) if dev else None for dev, t in zip(on_device_g.tolist(), g["tf_op_name"], strict=True)],
+            group,
+        ),
+        "hlo_category": _strings(hlo_category, group),
+        "args": _strings(_args(g), group),
     }
     schema = arrow_schema(TraceEvent)
-    table = pa.table({f.name: _as_array(columns[f.name], f.type) for f in schema}, schema=schema)
+    arrays = [columns[f.name] if f.name in columns else pa.nulls(n, f.type) for f in schema]
+    table = pa.Table.from_arrays(
+        arrays, schema=pa.schema([pa.field(f.name, a.type) for f, a in zip(schema, arrays, strict=True)])
+    )
     return XPlaneTables(events=table, steps=steps)
+
+
+def _strings(values: Sequence[str | None], group: np.ndarray[Any, Any]) -> pa.Array:
+    """Per-group strings expanded to one per event, as a dictionary array."""
+    index: dict[str, int] = {}
+    codes = np.array([-1 if v is None else index.setdefault(v, len(index)) for v in values], dtype=np.int64)
+    return decode(codes[group] if len(codes) else codes, list(index))
+
+
+def _numbers(values: list[Any], group: np.ndarray[Any, Any], typ: pa.DataType) -> pa.Array:
+    """Per-group numbers (None -> null) expanded to one per event."""
+    dtype = np.int64 if pa.types.is_integer(typ) else np.float64
+    missing = np.array([v is None for v in values], dtype=bool)
+    known = np.array([0 if v is None else v for v in values], dtype=dtype)
+    return pa.array(known[group], typ, mask=missing[group])
 
 
 def _framework_op(tf_op: str | None) -> str | None:
@@ -166,37 +173,38 @@ def _framework_op(tf_op: str | None) -> str | None:
     return m.group(1) if m else tf_op
 
 
-def _as_array(value: Any, typ: pa.DataType) -> pa.Array | pa.ChunkedArray:
-    if isinstance(value, pa.ChunkedArray):
-        return value.cast(typ)
-    return pa.array(value, typ)
-
-
 def _host_self(parent: np.ndarray[Any, Any], dur: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     child = np.bincount(parent[parent >= 0], weights=dur[parent >= 0], minlength=len(dur)).astype(np.int64)
     return np.maximum(dur - child, 0)
 
 
+def _events_of(ev: xplane_events.EventColumns, groups: list[bool]) -> list[int]:
+    """Indices (in order) of the events whose group is marked."""
+    if not any(groups):
+        return []
+    return np.flatnonzero(np.asarray(groups, dtype=bool)[ev.group]).tolist()
+
+
 def _steps(
-    kernel: list[str | None],
-    trace_args: list[str | None],
+    ev: xplane_events.EventColumns,
     line_cat: list[str],
+    kernel: list[str],
     start: np.ndarray[Any, Any],
     dur: np.ndarray[Any, Any],
     parent: np.ndarray[Any, Any],
-    name: list[str],
+    name: pa.Array,
 ) -> list[StepSpan]:
     """Device ``Steps`` line first, then host step annotations (``step_num=N``), then torch's own rules."""
     spans: dict[int, StepSpan] = {}
-    for i, c in enumerate(line_cat):
-        if c == "Steps":
-            m = _TRAILING_INT.search(kernel[i] or "")
-            num = int(m.group(1)) if m else len(spans)
-            if num not in spans:
-                spans[num] = StepSpan(num, int(start[i]), int(dur[i]), "device_step")
+    for i in _events_of(ev, [c == "Steps" for c in line_cat]):
+        m = _TRAILING_INT.search(kernel[ev.group[i]])
+        num = int(m.group(1)) if m else len(spans)
+        if num not in spans:
+            spans[num] = StepSpan(num, int(start[i]), int(dur[i]), "device_step")
     if not spans:
-        for i, a in enumerate(trace_args):
-            m = _STEP_NUM.search(a or "")
+        step_num = [_STEP_NUM.search(a or "") for a in ev.groups["trace_args"]]
+        for i in _events_of(ev, [m is not None for m in step_num]):
+            m = step_num[ev.group[i]]
             if m and int(m.group(1)) not in spans:
                 spans[int(m.group(1))] = StepSpan(int(m.group(1)), int(start[i]), int(dur[i]), "profiler_step")
     if spans:
@@ -204,23 +212,28 @@ def _steps(
     return detect_steps(name, start, dur, parent) if len(name) else []
 
 
-def _step_numbers(step_names: list[str | None], start: np.ndarray[Any, Any], steps: list[StepSpan]) -> list[Any]:
-    by_time = assign_steps(start, steps)
-    out: list[Any] = []
-    for i, s in enumerate(step_names):
-        m = _TRAILING_INT.search(s) if s else None
-        out.append(int(m.group(1)) if m else by_time[i])
-    return out
+def _step_numbers(ev: xplane_events.EventColumns, start: np.ndarray[Any, Any], steps: list[StepSpan]) -> pa.Array:
+    """The number in the event's step name (``step:12``), else the step whose interval holds its start."""
+    by_time = step_array(start, steps).to_numpy(zero_copy_only=False)
+    missing = np.isnan(by_time) if by_time.dtype.kind == "f" else np.zeros(len(by_time), dtype=bool)
+    value = np.where(missing, 0, by_time).astype(np.int64)
+    named = [_TRAILING_INT.search(s) for s in ev.step_names]
+    has = np.array([m is not None for m in named] + [False], dtype=bool)
+    num = np.array([int(m.group(1)) if m else 0 for m in named] + [0], dtype=np.int64)
+    code = np.where(ev.step_code < 0, len(named), ev.step_code)
+    from_name = has[code]
+    return pa.array(np.where(from_name, num[code], value), pa.int64(), mask=~from_name & missing)
 
 
-_ARG_COLUMNS = ("hlo_module", "kernel_details", "tf_op_type", "hlo_fingerprint", "flow", "output_tensors")
+# Events DB columns that go into args (the reader leaves hlo_fingerprint, flow and output_tensors empty).
+_ARG_COLUMNS = ("hlo_module", "kernel_details", "tf_op_type")
 
 
-def _args_column(raw: pa.Table, trace_args: list[str | None]) -> list[str | None]:
-    extra = {c: raw.column(c).to_pylist() for c in _ARG_COLUMNS}
+def _args(groups: dict[str, list[Any]]) -> list[str | None]:
+    """The args JSON of each group: the columns above, then the ``key=value`` pairs of trace_args."""
     out: list[str | None] = []
-    for i, a in enumerate(trace_args):
-        d: dict[str, Any] = {k: v[i] for k, v in extra.items() if v[i] is not None}
+    for i, a in enumerate(groups["trace_args"]):
+        d: dict[str, Any] = {c: groups[c][i] for c in _ARG_COLUMNS if groups[c][i] is not None}
         if a:
             for part in a.split(","):
                 key, sep, value = part.partition("=")

@@ -111,10 +111,44 @@ def file_descriptor() -> descriptor_pb2.FileDescriptorProto:
     return fd
 
 
+def raw_file_descriptor() -> descriptor_pb2.FileDescriptorProto:
+    """The same wire format read with each line's events left as bytes (``RawXSpace`` / ``RawXPlane`` / ``RawXLine``).
+
+    A million ``XEvent`` objects cost seconds to walk; left as bytes, ``protowire`` decodes them column-wise.
+    """
+    fd = descriptor_pb2.FileDescriptorProto(
+        name="tpudiag/xplane_raw.proto", package=PACKAGE, syntax="proto3", dependency=["tpudiag/xplane.proto"]
+    )
+    space = fd.message_type.add(name="RawXSpace")
+    _field(space, "planes", 1, _F.TYPE_MESSAGE, repeated=True, type_name="RawXPlane")
+    _field(space, "hostnames", 4, _F.TYPE_STRING, repeated=True)
+
+    plane = fd.message_type.add(name="RawXPlane")
+    _field(plane, "id", 1, _F.TYPE_INT64)
+    _field(plane, "name", 2, _F.TYPE_STRING)
+    _field(plane, "lines", 3, _F.TYPE_MESSAGE, repeated=True, type_name="RawXLine")
+    _map_entry(plane, "EventMetadataEntry", "XEventMetadata")
+    _field(plane, "event_metadata", 4, _F.TYPE_MESSAGE, repeated=True, type_name="RawXPlane.EventMetadataEntry")
+    _map_entry(plane, "StatMetadataEntry", "XStatMetadata")
+    _field(plane, "stat_metadata", 5, _F.TYPE_MESSAGE, repeated=True, type_name="RawXPlane.StatMetadataEntry")
+    _field(plane, "stats", 6, _F.TYPE_MESSAGE, repeated=True, type_name="XStat")
+
+    line = fd.message_type.add(name="RawXLine")
+    _field(line, "id", 1, _F.TYPE_INT64)
+    _field(line, "display_id", 10, _F.TYPE_INT64)
+    _field(line, "name", 2, _F.TYPE_STRING)
+    _field(line, "display_name", 11, _F.TYPE_STRING)
+    _field(line, "timestamp_ns", 3, _F.TYPE_INT64)
+    _field(line, "duration_ps", 9, _F.TYPE_INT64)
+    _field(line, "events", 4, _F.TYPE_BYTES, repeated=True)
+    return fd
+
+
 def _build_classes() -> dict[str, Any]:
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file_descriptor())
-    names = ("XSpace", "XPlane", "XLine", "XEvent", "XStat", "XEventMetadata", "XStatMetadata")
+    pool.Add(raw_file_descriptor())
+    names = ("XSpace", "XPlane", "XLine", "XEvent", "XStat", "XEventMetadata", "XStatMetadata", "RawXSpace")
     return {n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{PACKAGE}.{n}")) for n in names}
 
 
@@ -127,11 +161,19 @@ XEvent: Any = _CLASSES["XEvent"]
 XStat: Any = _CLASSES["XStat"]
 XEventMetadata: Any = _CLASSES["XEventMetadata"]
 XStatMetadata: Any = _CLASSES["XStatMetadata"]
+RawXSpace: Any = _CLASSES["RawXSpace"]
 
 
 def parse_xspace(data: bytes) -> Any:
     """An XSpace from serialized bytes (``<host>.xplane.pb`` files hold exactly one)."""
     space = XSpace()
+    space.ParseFromString(data)
+    return space
+
+
+def parse_raw_xspace(data: bytes) -> Any:
+    """A ``RawXSpace``: planes, metadata and lines parsed, each line's events kept as serialized ``XEvent`` bytes."""
+    space = RawXSpace()
     space.ParseFromString(data)
     return space
 
@@ -243,6 +285,7 @@ class PlaneBuilder:
 __all__ = [
     "PACKAGE",
     "PlaneBuilder",
+    "RawXSpace",
     "XEvent",
     "XEventMetadata",
     "XLine",
@@ -251,6 +294,7 @@ __all__ = [
     "XStat",
     "XStatMetadata",
     "file_descriptor",
+    "parse_raw_xspace",
     "parse_xspace",
     "set_stat_value",
     "stat_value",
