@@ -12,6 +12,7 @@ code compiles exactly as without tpudiag; at run time the mode sees only the ate
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tpudiag.analysis.numerics_metrics import OutputMetrics, compare, dtype_name, is_discrete
 from tpudiag.analysis.verdict import DIVERGENT, Evidence, Verdict, decide, eps_of, role
 from tpudiag.collectors.numerics import oracle
+from tpudiag.collectors.numerics.copies import Float64Copies
 from tpudiag.collectors.numerics.oracle import OpPlan
 from tpudiag.collectors.numerics.records import Recorder, describe_inputs
 from tpudiag.collectors.numerics.sampling import Budget, Sampler, SamplingOptions, module_matches, op_matches
@@ -34,6 +36,7 @@ from tpudiag.collectors.numerics.shadow import ShadowStream
 from tpudiag.model import OpDiff, OpRecord
 
 DEFAULT_SIZE_CAP = 1 << 24
+_MAX_DESCRIPTIONS = 1 << 16
 # Kinds whose outputs combine terms, so cancellation can make a correct result tiny against its rounding error.
 CANCELLING_KINDS = (
     "reduction",
@@ -68,16 +71,46 @@ def user_source(depth: int = 2) -> str | None:
     return None
 
 
-def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, outputs: list[Any]) -> float:
+_FLOPS: dict[tuple[Any, ...], float] = {}
+_MAX_FLOP_KEYS = 1 << 16
+
+
+def _flops(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: Any,
+    outputs: list[Any],
+    signature: tuple[Any, ...] | None = None,
+) -> float:
+    """FLOPs of one call: torch's flop formulas (matmul, conv, attention), else one per output element.
+
+    Formulas read only shapes (and, for convolutions, the scalar arguments): cached per signature and output shapes.
+    """
     from torch.utils.flop_counter import flop_registry
 
     fn = flop_registry.get(getattr(func, "overloadpacket", None))
     if fn is not None:
+        key: tuple[Any, ...] | None = None
+        if signature is not None:
+            scalars = tuple(a for a in args if isinstance(a, (int, float, bool, list, tuple)) and not _has_tensor(a))
+            outs = tuple(tuple(t.shape) for t in outputs if isinstance(t, torch.Tensor))
+            key = (signature, scalars, outs)
+            hit = _FLOPS.get(key)
+            if hit is not None:
+                return hit
         try:
-            return float(fn(*args, **kwargs, out_val=out))
+            value = float(fn(*args, **kwargs, out_val=out))
         except Exception:
-            pass
+            value = float(sum(t.numel() for t in outputs if isinstance(t, torch.Tensor)))
+        if key is not None and len(_FLOPS) < _MAX_FLOP_KEYS:
+            _FLOPS[key] = value
+        return value
     return float(sum(t.numel() for t in outputs if isinstance(t, torch.Tensor)))
+
+
+def _has_tensor(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor) or _has_tensor(y) for y in x)
 
 
 @dataclass
@@ -117,6 +150,9 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.sampler = Sampler(options)
         self.budget = budget or Budget(options.budget_pct)
         self.shadow = ShadowStream()
+        self.copies = Float64Copies()
+        self._descriptions: dict[tuple[Any, ...], tuple[str, str, str]] = {}
+        self._precision_cache: dict[tuple[tuple[str, str], ...], str] = {}
         self.clock = clock
         self.started = clock()
         self.seq = 0
@@ -127,9 +163,7 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.spent_calls: dict[tuple[str, str], int] = {}
 
     # -- dispatch -------------------------------------------------------------------------------------------
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not self.active or torch.compiler.is_compiling():
             return func(*args, **kwargs)
@@ -137,53 +171,62 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.seq += 1
         seq = self.seq
         self.budget.ops_seen += 1
-        if seq % 64 == 0 and self.budget.exhausted(self.clock() - self.started):
+        if seq % 64 == 0 and self.budget.exhausted(t_entry - self.started):
             self.detach_requested = True
         self.recorder.findings.seen += 1
         plan = oracle.plan_for(func)
         phase = "backward" if torch._C._current_graph_task_id() >= 0 else "forward"
-        calls = self.step_calls.get((plan.name, phase))
+        key = (plan.name, phase)
+        calls = self.step_calls.get(key)
         if calls is None:
-            self.step_calls[(plan.name, phase)] = [1, 0.0]
+            self.step_calls[key] = [1, 0.0]
         else:
             calls[0] += 1
         if self.detach_requested:
             # Budget spent, mode still on the stack until a safe point: count the call, nothing else.
-            self.spent_calls[(plan.name, phase)] = self.spent_calls.get((plan.name, phase), 0) + 1
+            self.spent_calls[key] = self.spent_calls.get(key, 0) + 1
             return func(*args, **kwargs)
         module = self.ctx.module_of(phase) if self.ctx.module_of is not None else None
         tensors = oracle.tensors_in(args, kwargs)
-        reason = self._skip_reason(func, plan, module, tensors)
+        reason, signature = self._skip_reason(func, plan, module, tensors, t_entry)
         if reason is not None:
             t_op = self.clock()
             out = func(*args, **kwargs)
             op_s = self.clock() - t_op
-            self._unchecked(func, plan, seq, module, phase, reason, args, kwargs, out, tensors)
+            self._unchecked(func, plan, seq, module, phase, reason, args, kwargs, out, tensors, signature)
             # The mode's own time on this call (everything but the op itself) counts against --budget.
             self.budget.extra_s += self.clock() - t_entry - op_s
             return out
-        return self._check(func, plan, seq, module, phase, args, kwargs, tensors)
+        return self._check(func, plan, seq, module, phase, args, kwargs, tensors, signature)
 
-    def _skip_reason(self, func: Any, plan: OpPlan, module: str | None, tensors: list[torch.Tensor]) -> str | None:
+    def _skip_reason(
+        self, func: Any, plan: OpPlan, module: str | None, tensors: list[torch.Tensor], now: float
+    ) -> tuple[str | None, tuple[Any, ...] | None]:
         if plan.skip is not None:
-            return plan.skip
+            return plan.skip, None
         if not tensors:
-            return "factory"
+            return "factory", None
         if not self.options.enabled:
-            return "off"
+            return "off", None
         if not op_matches(plan.name, self.options.ops) or not module_matches(module, self.options.modules):
-            return "filtered"
+            return "filtered", None
         problem = oracle.input_problem(tensors)
         if problem is not None:
-            return problem
-        signature = (func, tuple((tuple(t.shape), t.dtype) for t in tensors[:8]))
-        if not self.sampler.wants(signature):
-            return "sampled"
-        if not self.budget.allows(self.clock() - self.started):
-            return "budget"
-        if sum(t.numel() for t in tensors) > self.ctx.size_cap:
-            return "size_cap"
-        return None
+            return problem, None
+        signature = (func, *[(t.shape, t.dtype) for t in tensors])
+        # Sampling keys on the first 8 tensor inputs (ops taking tensor lists would make every call new).
+        sampled_as = signature if len(signature) <= 9 else signature[:9]
+        if not self.sampler.wants(sampled_as):
+            return "sampled", signature
+        numel = sum(t.numel() for t in tensors)
+        if numel > self.ctx.size_cap:
+            return "size_cap", signature
+        if self.budget.pct is not None and not self.budget.allows_check(
+            plan.name, plan.kind, numel, now - self.started, self.sampler.checked.get(sampled_as, 0)
+        ):
+            self.sampler.refused(sampled_as)
+            return "budget", signature
+        return None, signature
 
     # -- unchecked calls ------------------------------------------------------------------------------------
     def _unchecked(
@@ -198,24 +241,25 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any],
         out: Any,
         tensors: list[torch.Tensor],
+        signature: tuple[Any, ...] | None,
     ) -> None:
-        if len(self.shadow):
+        if len(self.shadow) or (plan.is_view and len(self.copies)):
             with _tool_range():
                 self._carry_shadow(func, plan, args, kwargs, out, tensors)
         outputs = oracle.targets(plan, args, kwargs, out)
         if reason in ("sampled", "filtered", "budget", "off"):
-            dtypes = json.dumps(sorted({dtype_name(t.dtype) for t in tensors}))
+            described = self._described(signature, tensors)
             flops = (
-                _flops(func, args, kwargs, out, outputs)
+                _flops(func, args, kwargs, out, outputs, signature)
                 if plan.kind == "matmul"
                 else float(sum(t.numel() for t in outputs if isinstance(t, torch.Tensor)))
             )
-            self.recorder.aggregate(seq, plan.name, phase, module, reason, flops, dtypes)
+            self.recorder.aggregate(seq, plan.name, phase, module, reason, flops, described[2])
             self.step_calls[(plan.name, phase)][1] += flops
             return
-        flops = _flops(func, args, kwargs, out, outputs)
+        flops = _flops(func, args, kwargs, out, outputs, signature)
         self.step_calls[(plan.name, phase)][1] += flops
-        dtypes, shapes = describe_inputs(tensors)
+        dtypes, shapes, _ = self._described(signature, tensors)
         self.recorder.op(
             OpRecord(
                 run_id=self.ctx.run_id,
@@ -235,6 +279,16 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             )
         )
 
+    def _described(self, signature: tuple[Any, ...] | None, tensors: list[torch.Tensor]) -> tuple[str, str, str]:
+        """(dtypes JSON, shapes JSON, sorted distinct dtypes JSON) of the inputs, cached per signature."""
+        hit = self._descriptions.get(signature) if signature is not None else None
+        if hit is None:
+            dtypes, shapes = describe_inputs(tensors)
+            hit = (dtypes, shapes, json.dumps(sorted({dtype_name(t.dtype) for t in tensors})))
+            if signature is not None and len(self._descriptions) < _MAX_DESCRIPTIONS:
+                self._descriptions[signature] = hit
+        return hit
+
     def _carry_shadow(
         self,
         func: Any,
@@ -244,10 +298,12 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out: Any,
         tensors: list[torch.Tensor],
     ) -> None:
-        """Views of a tensor with a shadow get the same view of the shadow; anything else loses its shadow."""
+        """Views of a tensor with a shadow get the same view of the shadow; anything else loses its shadow.
+
+        Views also carry a kept float64 copy (the same view of it), when it has the layout a fresh copy would have.
+        """
         if plan.is_view and plan.skip == "view" and tensors and isinstance(out, torch.Tensor):
-            src = self.shadow.get(tensors[0])
-            if src is not None:
+            if len(self.shadow) and self.shadow.get(tensors[0]) is not None:
                 try:
                     a64, k64 = oracle.convert(args, kwargs, oracle.float64_of, self.shadow.get)
                     view = func(*a64, **k64)
@@ -255,10 +311,30 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                         self.shadow.set(out, view)
                 except Exception:
                     pass
+            if len(self.copies) and out.device.type == "cpu" and out.dtype.is_floating_point:
+                self._carry_copy(func, args, kwargs, out, tensors[0])
             return
-        for w in oracle.targets(plan, args, kwargs, out):
-            if isinstance(w, torch.Tensor):
-                self.shadow.forget(w)
+        if len(self.shadow):
+            for w in oracle.targets(plan, args, kwargs, out):
+                if isinstance(w, torch.Tensor):
+                    self.shadow.forget(w)
+
+    def _carry_copy(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor, base: torch.Tensor
+    ) -> None:
+        kept = self.copies.get(base)
+        if kept is None or kept.stride() != base.stride() or kept.storage_offset() != base.storage_offset():
+            return
+        # Only where a fresh copy of the view would have the view's own strides (dense, non-overlapping): then the
+        # oracle sees exactly the layout it would have seen without the cache.
+        if not _dense(out):
+            return
+        try:
+            view = func(kept, *args[1:], **kwargs)
+        except Exception:
+            return
+        if isinstance(view, torch.Tensor) and view.shape == out.shape and view.stride() == out.stride():
+            self.copies.put(out, view)
 
     # -- checked calls --------------------------------------------------------------------------------------
     def _check(
@@ -271,16 +347,17 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         tensors: list[torch.Tensor],
+        signature: tuple[Any, ...] | None,
     ) -> Any:
         t0 = self.clock()
         snap: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        fresh: set[int] = set()
         if plan.mutates:
-            # Inputs as they were before the op writes them (any argument may alias a written one).
+            # Arguments the op writes (and any argument sharing their storage), as they were before the write.
             with _tool_range():
-                snap = oracle.convert(args, kwargs, lambda d: d)
-        shadows_in = self.shadow.has_any(tensors)
+                snap, fresh = _snapshot(plan, args, kwargs, tensors)
         shadow_subst: dict[int, torch.Tensor] = {}
-        if shadows_in:
+        if len(self.shadow) and self.shadow.has_any(tensors):
             for t in tensors:
                 s = self.shadow.get(t)
                 if s is not None:
@@ -290,7 +367,25 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         op_s = self.clock() - t_op
         src_args, src_kwargs = snap if snap is not None else (args, kwargs)
         outputs = oracle.targets(plan, args, kwargs, out)
-        dtypes, shapes = describe_inputs(tensors)
+        dtypes, shapes, _ = self._described(signature, tensors)
+        flops = _flops(func, args, kwargs, out, outputs, signature)
+        checked, skip_reason = True, None
+        try:
+            with _tool_range():
+                diffs = self._compare(
+                    func, plan, seq, src_args, src_kwargs, args, kwargs, outputs, tensors, shadow_subst, fresh
+                )
+        except _OracleFailed as failed:
+            checked, skip_reason = False, failed.reason
+            diffs = []
+        check_s = self.clock() - t0 - op_s
+        self.budget.charge(check_s, plan.name, plan.kind, sum(t.numel() for t in tensors))
+        if signature is not None and checked:
+            sampled_as = signature if len(signature) <= 9 else signature[:9]
+            self.sampler.checked[sampled_as] = self.sampler.checked.get(sampled_as, 0) + 1
+        divergent = [d for d in diffs if d.role is not None]
+        originator = any(d.role == "originator" for d in divergent)
+        source = user_source(3) if divergent or skip_reason is not None else None
         record = OpRecord(
             run_id=self.ctx.run_id,
             seq=seq,
@@ -298,33 +393,19 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             overload=plan.overload,
             module=module,
             phase=phase,
-            source_loc=None,
+            source_loc=source,
             dtypes=dtypes,
             shapes=shapes,
             device=_device(tensors),
-            checked=True,
-            flops=_flops(func, args, kwargs, out, outputs),
+            checked=checked,
+            skip_reason=skip_reason,
+            flops=flops,
             kind=plan.kind,
             duration_ns=int(op_s * 1e9),
+            check_ns=int(check_s * 1e9),
         )
-        try:
-            with _tool_range():
-                diffs = self._compare(
-                    func, plan, seq, record, src_args, src_kwargs, args, kwargs, outputs, tensors, shadow_subst
-                )
-        except _OracleFailed as failed:
-            record = _replace(record, checked=False, skip_reason=failed.reason)
-            diffs = []
-        check_s = self.clock() - t0 - op_s
-        self.budget.charge(check_s)
-        record = _replace(record, check_ns=int(check_s * 1e9))
-        divergent = [d for d in diffs if d.role is not None]
-        if divergent or record.skip_reason is not None:
-            record = _replace(record, source_loc=user_source(3))
-        if divergent and divergent[0].role == "originator" and snap is None:
-            snap = (src_args, src_kwargs)
-        if divergent and any(d.role == "originator" for d in divergent):
-            cpu_args, cpu_kwargs = snap if snap is not None else oracle.convert(args, kwargs, lambda d: d)
+        if originator:
+            cpu_args, cpu_kwargs = oracle.convert(src_args, src_kwargs, lambda d: d)
             path = self.recorder.save_repro(
                 seq,
                 func,
@@ -341,16 +422,17 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             )
             if path is not None:
                 diffs = [_replace(d, repro_path=path) if d.role == "originator" else d for d in diffs]
-        self.step_calls[(plan.name, phase)][1] += record.flops or 0.0
-        self.recorder.findings.checked += record.checked
+        self.step_calls[(plan.name, phase)][1] += flops
+        findings = self.recorder.findings
+        findings.checked += checked
         self.recorder.op(record)
         self.recorder.diffs(diffs)
         if divergent:
-            self.recorder.findings.divergent += 1
-            if any(d.role == "originator" for d in divergent):
-                self.recorder.findings.originators += 1
-                if self.recorder.findings.first is None:
-                    self.recorder.findings.first = f"{plan.name} seq {seq} ({module or 'no module'})"
+            findings.divergent += 1
+            if originator:
+                findings.originators += 1
+                if findings.first is None:
+                    findings.first = f"{plan.name} seq {seq} ({module or 'no module'})"
                 if self.ctx.on_divergence is not None:
                     self.ctx.on_divergence(record, divergent[0])
         return out
@@ -360,7 +442,6 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         func: Any,
         plan: OpPlan,
         seq: int,
-        record: OpRecord,
         src_args: tuple[Any, ...],
         src_kwargs: dict[str, Any],
         args: tuple[Any, ...],
@@ -368,10 +449,12 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         outputs: list[Any],
         tensors: list[torch.Tensor],
         shadow_subst: dict[int, torch.Tensor],
+        fresh: set[int],
     ) -> list[OpDiff]:
         storage = plan.name.split("::")[-1] in oracle.STORAGE_OPS
         convert = oracle.convert_storage_faithful if storage else oracle.convert
-        _, _, expected = self._run(func, plan, src_args, src_kwargs, convert, oracle.float64_of)
+        copies = self.copies if not storage and self.ctx.device_kind == "cpu" else None
+        _, _, expected = self._run(func, plan, src_args, src_kwargs, convert, oracle.float64_of, copies=copies)
         if len(expected) != len(outputs):
             raise _OracleFailed("output_mismatch")
         reference: list[Any] | None = None
@@ -422,7 +505,13 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 )
                 continue
             device_cpu = dev_t.detach().to("cpu")
-            m = compare(device_cpu, exp_t, detail=False)
+            # The output in float64: compared in float64 only, then kept for the ops that read this tensor next.
+            dev64 = (
+                device_cpu.to(torch.float64, copy=True)
+                if device_cpu.dtype.is_floating_point and device_cpu.dtype != torch.float64
+                else None
+            )
+            m = compare(device_cpu, exp_t, detail=False, actual64=dev64)
             ref_m = (
                 compare(oracle.as_tensor(reference[i]).to("cpu"), exp_t, detail=False)
                 if reference is not None
@@ -458,7 +547,7 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             prop_err: float | None = None
             prop_div = False
             if shadowed is not None and i < len(shadowed) and not is_discrete(dev_t.dtype):
-                sm = compare(device_cpu, oracle.as_tensor(shadowed[i]), detail=False)
+                sm = compare(device_cpu, oracle.as_tensor(shadowed[i]), detail=False, actual64=dev64)
                 prop_err = sm.scaled_error
                 prop_div = (
                     decide(
@@ -480,6 +569,8 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     self.shadow.set(dev, exp_t)
                 else:
                     self.shadow.forget(dev)
+            if dev64 is not None and copies is not None and isinstance(dev, torch.Tensor) and id(dev) not in fresh:
+                copies.put(dev, dev64)
             diffs.append(
                 self._diff_row(seq, i, m, ref_m, verdict, role(verdict.verdict, prop_div), prop_err, emulated, plan)
             )
@@ -494,10 +585,13 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         convert: Any,
         dtype_fn: Callable[[torch.dtype], torch.dtype],
         substitute: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+        copies: Float64Copies | None = None,
     ) -> tuple[tuple[Any, ...], dict[str, Any], list[Any]]:
         try:
             if substitute is not None:
                 a, k = oracle.convert(args, kwargs, dtype_fn, substitute)
+            elif copies is not None:
+                a, k = oracle.convert(args, kwargs, dtype_fn, copies=copies)
             else:
                 a, k = convert(args, kwargs, dtype_fn)
             result = func(*a, **k)
@@ -583,7 +677,7 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         )
 
     def _precision_now(self) -> str | None:
-        """The run's matmul precision knobs plus the autocast state when this op ran."""
+        """The run's matmul precision knobs plus the autocast state when this op ran (JSON cached per state)."""
         autocast = {}
         for dev in ("cpu", "cuda", "tpu"):
             try:
@@ -591,11 +685,15 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     autocast[dev] = dtype_name(torch.get_autocast_dtype(dev))
             except Exception:
                 continue
-        self.autocast_seen.update(autocast)
-        base = json.loads(self.ctx.precision_json) if self.ctx.precision_json else {}
-        if autocast:
-            base["autocast"] = autocast
-        return json.dumps(base, sort_keys=True)
+        state = tuple(sorted(autocast.items()))
+        text = self._precision_cache.get(state)
+        if text is None:
+            self.autocast_seen.update(autocast)
+            base = json.loads(self.ctx.precision_json) if self.ctx.precision_json else {}
+            if autocast:
+                base["autocast"] = autocast
+            text = self._precision_cache[state] = json.dumps(base, sort_keys=True)
+        return text
 
 
 class _OracleFailed(Exception):
@@ -623,4 +721,49 @@ TOOL_RANGE = "tpudiag::numerics"
 
 
 def _tool_range() -> Any:
-    return torch.autograd.profiler.record_function(TOOL_RANGE)
+    """The tool range while a profiler records (a trace is being captured), else nothing to pay for."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.autograd.profiler.record_function(TOOL_RANGE)
+    return contextlib.nullcontext()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: ``to(copy=True)`` keeps such a tensor's strides."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _snapshot(
+    plan: OpPlan, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]
+) -> tuple[tuple[tuple[Any, ...], dict[str, Any]], set[int]]:
+    """The arguments with every tensor the op may change replaced by a CPU copy taken now, before the op runs.
+
+    Changed: the written arguments and any other argument sharing storage with one of them.  The rest are the
+    user's own tensors (the op does not change them).  Returns the arguments and the ids of the copies.
+    """
+    written = {
+        id(t) for t in oracle.tree_flatten(oracle.written_values(plan, args, kwargs))[0] if isinstance(t, torch.Tensor)
+    }
+    storages = {t.untyped_storage().data_ptr() for t in tensors if id(t) in written}
+    fresh: set[int] = set()
+    copied: dict[int, torch.Tensor] = {}
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) in written or x.untyped_storage().data_ptr() in storages:
+            c = copied.get(id(x))
+            if c is None:
+                c = copied[id(x)] = x.detach().to("cpu", copy=True)
+                fresh.add(id(c))
+            return c
+        return x
+
+    return (oracle.tree_map(one, args), oracle.tree_map(one, kwargs)), fresh

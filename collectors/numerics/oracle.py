@@ -7,7 +7,6 @@ read once per overload from its schema and tags and cached in an ``OpPlan``.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from tpudiag.analysis.verdict import op_kind
+from tpudiag.collectors.numerics.copies import Float64Copies
 
 UNINITIALIZED = {
     "empty",
@@ -183,8 +183,20 @@ class OpPlan:
     skip_outputs: dict[int, str] = field(default_factory=dict)  # output index -> reason
 
 
-@functools.cache
+_PLANS: dict[int, tuple[Any, OpPlan]] = {}
+
+
 def plan_for(func: Any) -> OpPlan:
+    """The plan of an op overload, read from its schema once (cached by identity: overloads live forever)."""
+    hit = _PLANS.get(id(func))
+    if hit is not None and hit[0] is func:
+        return hit[1]
+    plan = _make_plan(func)
+    _PLANS[id(func)] = (func, plan)
+    return plan
+
+
+def _make_plan(func: Any) -> OpPlan:
     schema = func._schema
     packet = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
     namespace = getattr(func, "namespace", "aten")
@@ -250,15 +262,25 @@ def convert(
     kwargs: dict[str, Any],
     dtype_fn: Callable[[torch.dtype], torch.dtype],
     substitute: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+    copies: Float64Copies | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """CPU copies of every tensor argument, floating ones converted with ``dtype_fn``.
 
-    ``substitute`` may return a replacement (a shadow value) for a tensor; it is copied the same way.
+    ``substitute`` may return a replacement (a shadow value) for a tensor; it is copied the same way.  With
+    ``copies`` (float64 conversion of an op that writes none of these arguments), a tensor's float64 copy is
+    taken from / kept in that cache instead of being made again.
     """
 
     def one(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             src = substitute(x) if substitute is not None else None
+            if src is None and copies is not None:
+                kept = copies.get(x)
+                if kept is not None:
+                    return kept
+                copy = x.detach().to("cpu", dtype_fn(x.dtype), copy=True)
+                copies.put(x, copy)
+                return copy
             src = x if src is None else src
             if src.shape != x.shape:
                 src = x
@@ -329,8 +351,21 @@ def as_tensor(value: Any) -> torch.Tensor:
 
 
 def tensors_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten((args, kwargs))
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
+    """Tensor arguments in order (aten schemas nest at most a list of tensors inside the arguments)."""
+    out: list[torch.Tensor] = []
+    for group in (args, kwargs.values()) if kwargs else (args,):
+        for x in group:
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple)):
+                for y in x:
+                    if isinstance(y, torch.Tensor):
+                        out.append(y)
+                    elif isinstance(y, (list, tuple, dict)):
+                        out.extend(t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor))
+            elif isinstance(x, dict):
+                out.extend(t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor))
+    return out
 
 
 def input_problem(tensors: list[torch.Tensor]) -> str | None:

@@ -99,16 +99,36 @@ def module_matches(path: str | None, patterns: tuple[str, ...]) -> bool:
     return False
 
 
+# Cost model of one check before any is measured: a fixed part (copies, metrics, rows) plus a part per input
+# element; matmul-like kinds do far more work per element.  Measured checks replace these per op and per kind.
+PRIOR_FIXED_S = 150e-6
+PRIOR_PER_ELEMENT_S = {"matmul": 200e-9, "normalization": 30e-9, "reduction": 15e-9}
+PRIOR_DEFAULT_PER_ELEMENT_S = 10e-9
+# A signature already checked is checked again only while it leaves this share of the allowance unspent: new
+# signatures (new ops, shapes, dtypes) are worth more than repeats.
+REPEAT_RESERVE = 0.5
+
+
 @dataclass
 class Budget:
-    """Extra time spent vs the script's own time; checks stop while the extra time is over budget."""
+    """Extra time spent vs the script's own time (``--budget PCT``), and what one more check would cost.
+
+    The allowance grows with the script: PCT% of the time the script itself has run so far.  A check is made only
+    when its estimated cost fits in what is left; the estimate comes from the checks already made (seconds per
+    input element, per op, else per kind, else a prior), so cheap checks go first and an expensive one waits
+    until the allowance has grown enough, or is never made.
+    """
 
     pct: float | None
     extra_s: float = 0.0
     per_op_overhead_s: float = 0.0  # the dispatch mode's own cost per op (calibrated at start)
     ops_seen: int = 0
+    check_s: float = 0.0  # seconds spent in checks (part of extra_s)
+    checks: int = 0
     _avg_check_s: float = 0.0
-    _checks: int = 0
+    _rate_by_op: dict[str, float] = field(default_factory=dict)  # seconds per input element
+    _rate_by_kind: dict[str, float] = field(default_factory=dict)
+    _fixed_s: float = PRIOR_FIXED_S
 
     correction_s: float = 0.0  # measured step cost the running estimate missed (hooks, dispatch)
 
@@ -116,37 +136,69 @@ class Budget:
         """Extra seconds so far: the mode's own time, the hidden per-op entry cost, and measured corrections."""
         return self.extra_s + self.per_op_overhead_s * self.ops_seen + self.correction_s
 
+    def allowance(self, elapsed_s: float) -> float:
+        """Extra seconds allowed after ``elapsed_s`` seconds of wall time (PCT% of the script's own part)."""
+        if self.pct is None:
+            return float("inf")
+        return self.pct / 100.0 * max(elapsed_s - self.spent(), 0.0)
+
     def allows(self, elapsed_s: float) -> bool:
         if self.pct is None:
             return True
-        spent = self.spent()
-        own = max(elapsed_s - spent, 0.0)
-        return spent + self._avg_check_s <= self.pct / 100.0 * own
+        return self.spent() + self._avg_check_s <= self.allowance(elapsed_s)
+
+    def estimate(self, op: str, kind: str, numel: int) -> float:
+        """Seconds one check of ``op`` on ``numel`` input elements is expected to cost."""
+        rate = self._rate_by_op.get(op)
+        if rate is None:
+            rate = self._rate_by_kind.get(kind, PRIOR_PER_ELEMENT_S.get(kind, PRIOR_DEFAULT_PER_ELEMENT_S))
+        return self._fixed_s + rate * numel
+
+    def allows_check(self, op: str, kind: str, numel: int, elapsed_s: float, times_checked: int) -> bool:
+        """Whether a check of this cost fits in the allowance left (half of it for a signature already checked)."""
+        if self.pct is None:
+            return True
+        allowance = self.allowance(elapsed_s)
+        if times_checked:
+            allowance *= REPEAT_RESERVE
+        return self.spent() + self.estimate(op, kind, numel) <= allowance
 
     def exhausted(self, elapsed_s: float) -> bool:
         """True when the extra time already spent is over the budget (the mode should leave the stack)."""
         if self.pct is None:
             return False
-        spent = self.spent()
-        return spent > self.pct / 100.0 * max(elapsed_s - spent, 0.0)
+        return self.spent() > self.allowance(elapsed_s)
 
     def affords(self, cost_s: float, elapsed_s: float) -> bool:
         """Whether one more watched step of ``cost_s`` extra seconds stays within the budget."""
         if self.pct is None:
             return True
-        spent = self.spent()
-        return spent + cost_s <= self.pct / 100.0 * max(elapsed_s - spent, 0.0)
+        return self.spent() + cost_s <= self.allowance(elapsed_s)
 
-    def charge(self, seconds: float) -> None:
+    def charge(self, seconds: float, op: str = "", kind: str = "", numel: int = 0) -> None:
+        """A check took ``seconds``: spend them and learn the cost per element of this op and kind."""
         self.extra_s += seconds
-        self._checks += 1
-        self._avg_check_s += (seconds - self._avg_check_s) / self._checks
+        self.check_s += seconds
+        self.checks += 1
+        self._avg_check_s += (seconds - self._avg_check_s) / self.checks
+        if numel > 0 and op:
+            rate = max(seconds - self._fixed_s, 0.0) / numel
+            old = self._rate_by_op.get(op)
+            self._rate_by_op[op] = rate if old is None else 0.5 * (old + rate)
+            old_kind = self._rate_by_kind.get(kind)
+            self._rate_by_kind[kind] = rate if old_kind is None else 0.8 * old_kind + 0.2 * rate
+        if numel <= 64:
+            # Tiny checks measure the fixed part.
+            self._fixed_s = 0.8 * self._fixed_s + 0.2 * seconds
 
 
 @dataclass
 class Sampler:
     options: SamplingOptions
     counts: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    checked: dict[tuple[Any, ...], int] = field(default_factory=dict)  # signature -> calls really checked
+
+    refusals: dict[tuple[Any, ...], int] = field(default_factory=dict)
 
     def wants(self, signature: tuple[Any, ...]) -> bool:
         """Whether this call is sampled (counts it either way)."""
@@ -154,7 +206,11 @@ class Sampler:
         self.counts[signature] = n + 1
         if self.options.mode == "all":
             return True
-        return n < self.options.first_k
+        return n - self.refusals.get(signature, 0) < self.options.first_k
+
+    def refused(self, signature: tuple[Any, ...]) -> None:
+        """The sampled call was not checked (over budget): a later call of the signature may take its place."""
+        self.refusals[signature] = self.refusals.get(signature, 0) + 1
 
 
 @dataclass
