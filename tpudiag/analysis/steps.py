@@ -35,9 +35,13 @@ class StepSpan:
 
 
 def root_forwards(
-    names: Names, parent: Sequence[int] | np.ndarray[Any, Any], start_ns: Sequence[int] | np.ndarray[Any, Any]
+    names: Names,
+    parent: Sequence[int] | np.ndarray[Any, Any],
+    start_ns: Sequence[int] | np.ndarray[Any, Any],
+    levels: list[np.ndarray[Any, Any]] | None = None,
 ) -> list[int]:
-    """Indices of module annotations with no module annotation above them, in time order."""
+    """Indices of module annotations with no module annotation above them, in time order (``levels``: the
+    tree's ``levels_by_depth``, when the caller has them)."""
     n = len(names)
     is_module = prefix_mask(names, MODULE_PREFIX)
     if not is_module.any():
@@ -45,7 +49,7 @@ def root_forwards(
     par = np.asarray(parent, dtype=np.int64)
     # under[i]: some ancestor of i is a module annotation; filled level by level from the roots down.
     under = np.zeros(n, dtype=bool)
-    for level in depth_levels(par)[1:]:
+    for level in (depth_levels(par) if levels is None else levels)[1:]:
         p = par[level]
         under[level] = is_module[p] | under[p]
     roots = np.flatnonzero(is_module & ~under)
@@ -61,13 +65,14 @@ def detect_steps(
     parent: Sequence[int] | np.ndarray[Any, Any],
     root_inputs: Sequence[str | None] = (),
     whole_fallback: bool = True,
+    levels: list[np.ndarray[Any, Any]] | None = None,
 ) -> list[StepSpan]:
     """Steps by the rules in the module docstring; ``whole_fallback=False`` returns [] instead of one whole step
     (a later chunk of a rotated trace with no step markers belongs to no step)."""
     n = len(names)
     if n == 0:
         return []
-    roots = root_forwards(names, parent, start_ns)
+    roots = root_forwards(names, parent, start_ns, levels)
     name_of = _name_lookup(names)
     root_shapes = {idx: root_inputs[k] for k, idx in enumerate(roots) if k < len(root_inputs)}
     # The model is the root module that takes the most time; other roots (a loss module, a metric) run beside it

@@ -56,7 +56,7 @@ def nest_arrays(codes: IntArray, start: IntArray, dur: IntArray) -> tuple[IntArr
         return np.full(0, -1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     start = np.asarray(start, dtype=np.int64)
     dur = np.asarray(dur, dtype=np.int64)
-    order = np.lexsort((np.arange(n, dtype=np.int64), -dur, start, codes))
+    order = _nesting_order(np.asarray(codes, dtype=np.int64), start, dur)
     # In nesting order the exact stack walk pops every open event that ends before the new one ends, so an
     # event's parent is the last earlier event on its thread that ends at or after it: a "previous greater or
     # equal" search, done on end ranks offset per thread so that no search crosses into another thread.
@@ -71,6 +71,26 @@ def nest_arrays(codes: IntArray, start: IntArray, dur: IntArray) -> tuple[IntArr
     has_parent = parent >= 0
     child = np.bincount(parent[has_parent], weights=dur[has_parent], minlength=n).astype(np.int64)
     return parent, depth, np.maximum(dur - child, 0)
+
+
+def _nesting_order(codes: IntArray, start: IntArray, dur: IntArray) -> IntArray:
+    """Event indices ordered by (thread, start, longest first, index): ``np.lexsort`` of those keys, ~3x faster.
+
+    A stable sort by start (traces are nearly in time order, which timsort exploits), then only the runs of equal
+    starts re-sorted by (-dur, index), then a stable sort by thread code (a radix sort when the codes fit 16 bits).
+    """
+    order = np.argsort(start, kind="stable")
+    s = start[order]
+    tie = np.flatnonzero(s[1:] == s[:-1])
+    if len(tie):
+        at = np.unique(np.concatenate((tie, tie + 1)))  # positions of every event that shares its start
+        tied = order[at]
+        order[at] = tied[np.lexsort((tied, -dur[tied], start[tied]))]
+    c = codes[order]
+    if len(c) and c.min() >= 0 and c.max() < 1 << 15:
+        c = c.astype(np.int16)
+    result: IntArray = order[np.argsort(c, kind="stable")]
+    return result
 
 
 def _previous_greater_or_equal(key: IntArray) -> IntArray:
@@ -156,12 +176,14 @@ def attribute_modules(
     seq_nr: Sequence[int | None] | pa.Array | pa.ChunkedArray,
     parent: Sequence[int] | IntArray,
     module_sources: dict[str, str] | None = None,
+    levels: list[IntArray] | None = None,
 ) -> Attribution:
     """Module path, phase and source location of every event.
 
     Forward: the innermost enclosing ``module::<path>`` annotation.  Backward: the ops under
     ``autograd::engine::evaluate_function: XBackward0`` belong to the module of the forward op that created that
     autograd node, found through the autograd sequence number they share (the earliest such forward op).
+    ``levels`` (``levels_by_depth`` of the nesting) saves recomputing the tree's levels.
     """
     name_codes, distinct = encode(names)
     n = len(name_codes)
@@ -178,7 +200,7 @@ def attribute_modules(
     backward = is_backward_name[name_codes] if n else np.zeros(0, dtype=bool)
     phase = np.where(module >= 0, _FORWARD, np.where(backward, _BACKWARD, _NONE)).astype(np.int8)
     own = (module >= 0) | backward
-    levels = depth_levels(par)
+    levels = depth_levels(par) if levels is None else levels
     _propagate(levels, par, own, module, phase)
     if backward.any():
         seq = _int_column(seq_nr, n)
@@ -224,6 +246,16 @@ def decode(codes: IntArray, values: Sequence[str | None]) -> pa.Array:
     dictionary = pa.array(list(values) or [""], pa.string())
     indices = pa.array(np.maximum(codes, 0).astype(np.int32), mask=codes < 0)
     return pa.DictionaryArray.from_arrays(indices, dictionary)
+
+
+def levels_by_depth(depth: IntArray) -> list[IntArray]:
+    """``depth_levels`` from a known depth column (one counting sort; the order inside a level may differ)."""
+    if not len(depth):
+        return []
+    d = np.asarray(depth)
+    small = d.astype(np.int16) if d.max() < 1 << 15 else d
+    order = np.argsort(small, kind="stable")
+    return [level for level in np.split(order, np.cumsum(np.bincount(d))[:-1]) if len(level)]
 
 
 def depth_levels(parent: IntArray) -> list[IntArray]:

@@ -18,6 +18,7 @@ import numpy as np
 
 _QUOTE, _BACKSLASH = 34, 92
 _OPEN_OBJ, _CLOSE_OBJ, _OPEN_ARR, _CLOSE_ARR = 123, 125, 91, 93
+_COMMA = 44
 _KEY = b'"traceEvents"'
 _IS_BRACKET = np.zeros(256, dtype=bool)
 _IS_BRACKET[[_OPEN_OBJ, _CLOSE_OBJ, _OPEN_ARR, _CLOSE_ARR]] = True
@@ -95,7 +96,7 @@ class EventSplitter:
         # inside a string or a nested object leaves it unterminated).  Then the same bytes are split exactly.
         self.fast = True
         self._pending = b""  # fast mode: the bytes after the last cut (which is between two events)
-        self._last = b""  # fast mode: the bytes the last batch was cut from
+        self._last: tuple[bytes, ...] = ()  # fast mode: the bytes the last batch was cut from
 
     def feed(self, chunk: bytes) -> bytes | None:
         if not chunk:
@@ -115,7 +116,7 @@ class EventSplitter:
 
     def reject(self) -> bytes | None:
         """The last batch did not decode: split the same bytes exactly, and stay exact for the rest."""
-        buf, self._last = self._last, b""
+        buf, self._last = b"".join(self._last), ()
         return self._go_exact(buf)
 
     def drain(self) -> bytes | None:
@@ -131,16 +132,18 @@ class EventSplitter:
         return self._scan_events(buf) if buf else None
 
     def _fast_cut(self, chunk: bytes) -> bytes | None:
-        buf = self._pending + chunk
-        pos = buf.rfind(b"},")
-        if pos < 0:
-            self._pending = buf
-            return None
-        self._last, self._pending = buf, buf[pos + 1 :]
-        body = buf[: pos + 1].lstrip(_WS)
-        if body[:1] == b",":
-            body = body[1:]
-        return b"[" + body + b"]"
+        pos = chunk.rfind(b"},")
+        if pos < 0:  # no cut in this chunk (or one across the boundary): keep it with the pending bytes
+            buf = self._pending + chunk
+            pos = buf.rfind(b"},")
+            if pos < 0:
+                self._pending = buf
+                return None
+            self._last, self._pending = (buf,), buf[pos + 1 :]
+            return _array_of(b"", buf, pos + 1)
+        # The batch is the pending bytes and the chunk up to the cut, copied once (into the batch itself).
+        self._last, pending, self._pending = (self._pending, chunk), self._pending, chunk[pos + 1 :]
+        return _array_of(pending, chunk, pos + 1)
 
     def finish(self) -> bytes | None:
         if self._phase == "head":
@@ -221,3 +224,18 @@ class EventSplitter:
         if not len(ends) or first < 0:
             return None
         return b"[" + buf[first : int(ends[-1]) + 1] + b"]"
+
+
+def _array_of(pending: bytes, chunk: bytes, end: int) -> bytes:
+    """The JSON array text of the events in ``pending + chunk[:end]``: leading whitespace and the comma that
+    separated them from the previous batch dropped, wrapped in brackets, copied once."""
+    head = pending.lstrip(_WS)
+    start = 0
+    if not head:  # the separator may be in the chunk
+        while start < end and chunk[start] in _WS:
+            start += 1
+        if start < end and chunk[start] == _COMMA:
+            start += 1
+    elif head[:1] == b",":
+        head = head[1:]
+    return b"".join((b"[", head, memoryview(chunk)[start:end], b"]"))

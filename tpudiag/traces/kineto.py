@@ -22,8 +22,10 @@ import queue
 import re
 import threading
 import zlib
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tpudiag.analysis.steps import StepSpan, detect_steps, step_array
-from tpudiag.analysis.tree import attribute_modules, decode, depth_levels, encode, nest_arrays
+from tpudiag.analysis.tree import attribute_modules, decode, encode, levels_by_depth, nest_arrays
 from tpudiag.errors import ImportFormatError
 from tpudiag.model import Step, TraceEvent, arrow_schema
 from tpudiag.traces.jsonsplit import EventSplitter, StreamFormatError
@@ -67,6 +69,8 @@ class _Args(msgspec.Struct, gc=False):
     types: msgspec.Raw = msgspec.field(default=msgspec.Raw(), name="Input type")
 
 
+_PH, _TS, _DUR, _NAME, _CAT, _ARGS_OF = (attrgetter(a) for a in ("ph", "ts", "dur", "name", "cat", "args"))
+_THREAD = attrgetter("pid", "tid")
 _EVENTS = msgspec.json.Decoder(list[_Event])
 _ARGS = msgspec.json.Decoder(_Args)
 _ARGS_LIST = msgspec.json.Decoder(list[_Args])
@@ -229,36 +233,41 @@ class _Builder:
         self.rows = 0
         self.process_names: dict[str, str] = {}
         self.thread_names: dict[tuple[str, str], str] = {}
-        self._names: dict[str, int] = {}
-        self._categories: dict[str, int] = {}
-        self._threads: dict[tuple[int | str, int | str], int] = {}
+        self._names: defaultdict[str, int] = _numbering()
+        self._categories: defaultdict[str, int] = _numbering()
+        self._threads: defaultdict[tuple[int | str, int | str], int] = _numbering()
         self._codes: list[tuple[np.ndarray[Any, Any], ...]] = []  # (name, category, thread pair, start, dur)
         self._args: list[list[pa.Array]] = []  # args, external_id, correlation, seq_nr, shapes, dtypes
 
     def add(self, events: list[_Event]) -> None:
-        xs = [e for e in events if e.ph == "X" and e.ts is not None]
-        if len(xs) != len(events):
+        # Attribute access through C-level map/attrgetter and codes from defaultdicts whose factory numbers new keys
+        # (same codes as ``setdefault(key, len(d))``): no Python-level loop over the events in the common case.
+        ts_list = list(map(_TS, events))
+        if list(map(_PH, events)).count("X") == len(events) and None not in ts_list:
+            xs = events
+        else:
             for e in events:
                 if e.ph == "M" and e.args:
                     self._metadata_event(e)
+            xs = [e for e in events if e.ph == "X" and e.ts is not None]
+            ts_list = list(map(_TS, xs))
         if not xs:
             return
         n = len(xs)
-        names, cats, threads = self._names, self._categories, self._threads
-        ts = np.fromiter([e.ts for e in xs], dtype=np.float64, count=n)
-        dur = np.fromiter([e.dur or 0.0 for e in xs], dtype=np.float64, count=n)
+        ts = np.fromiter(ts_list, dtype=np.float64, count=n)
+        dur = np.array(list(map(_DUR, xs)), dtype=np.float64)  # a missing dur (None) becomes NaN, then 0
         whole = np.floor(ts)
         start = whole.astype(np.int64) * 1000 + np.rint((ts - whole) * 1000).astype(np.int64)
         self._codes.append(
             (
-                np.fromiter([names.setdefault(e.name, len(names)) for e in xs], np.int32, n),
-                np.fromiter([cats.setdefault(e.cat, len(cats)) for e in xs], np.int32, n),
-                np.fromiter([threads.setdefault((e.pid, e.tid), len(threads)) for e in xs], np.int32, n),
+                np.fromiter(map(self._names.__getitem__, map(_NAME, xs)), np.int32, n),
+                np.fromiter(map(self._categories.__getitem__, map(_CAT, xs)), np.int32, n),
+                np.fromiter(map(self._threads.__getitem__, map(_THREAD, xs)), np.int32, n),
                 start,
                 np.maximum(np.rint(np.nan_to_num(dur) * 1000), 0).astype(np.int64),
             )
         )
-        self._args.append(_args_columns([e.args for e in xs]))
+        self._args.append(_args_columns(list(map(_ARGS_OF, xs))))
         self.rows += n
 
     def _metadata_event(self, e: _Event) -> None:
@@ -313,6 +322,11 @@ class _Builder:
         return pa.Table.from_arrays(arrays, schema=_RAW_COLUMNS)
 
 
+def _numbering() -> defaultdict[Any, int]:
+    """A dict that gives each new key the next integer (0, 1, ...) on first lookup, in C (no Python callback)."""
+    return defaultdict(itertools.count().__next__)
+
+
 def _dictionary(codes: np.ndarray[Any, Any], values: dict[str, int]) -> pa.DictionaryArray:
     return pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(list(values), pa.string()))
 
@@ -323,7 +337,7 @@ def _args_columns(raws: list[msgspec.Raw]) -> list[pa.Array]:
     lengths = np.fromiter(map(len, raws), dtype=np.int64, count=n)
     has = lengths > 0
     args = _text_array(b"".join(raws), lengths)
-    filled = [r for r in raws if r]
+    filled = raws if has.all() else list(itertools.compress(raws, has))
     try:
         parsed = _ARGS_LIST.decode(b"[" + b",".join(filled) + b"]")
     except (msgspec.ValidationError, msgspec.DecodeError):
@@ -453,14 +467,17 @@ def to_tables(
     tid_codes, tids = encode(cols.column("thread"))
     thread_key = proc_codes * max(len(tids), 1) + tid_codes
     parent, depth, self_ns = nest_arrays(thread_key, start, dur)
+    levels = levels_by_depth(depth)  # events grouped by depth, shared by every top-down pass below
     names = cols.column("name")
-    attr = attribute_modules(names, cols.column("process"), start, cols.column("seq_nr"), parent, module_sources)
-    steps = detect_steps(names, start, dur, parent, root_inputs, whole_fallback=whole_fallback)
+    attr = attribute_modules(
+        names, cols.column("process"), start, cols.column("seq_nr"), parent, module_sources, levels=levels
+    )
+    steps = detect_steps(names, start, dur, parent, root_inputs, whole_fallback=whole_fallback, levels=levels)
     if first_step and not any(s.kind == "profiler_step" for s in steps):
         steps = [dataclasses.replace(s, step=s.step + first_step) for s in steps]
     cat_codes, cats = encode(cols.column("category"))
     on_device = _in(cat_codes, cats, DEVICE_CATEGORIES)
-    launcher = _launching_ops(cat_codes, cats, cols.column("correlation"), parent, on_device)
+    launcher = _launching_ops(cat_codes, cats, cols.column("correlation"), parent, on_device, levels)
     linked = launcher >= 0
     # a device event takes the module, phase and step of the op that launched it
     inherit = pa.array(np.where(linked, launcher, np.arange(n)))
@@ -480,7 +497,7 @@ def to_tables(
         "process": decode(proc_codes, proc_label),
         "thread": decode(np.searchsorted(pair_codes, thread_key), thread_label),
         "name": names,
-        "category": _mark_tool_overhead(cols.column("category"), names, parent, depth),
+        "category": _mark_tool_overhead(cols.column("category"), names, parent, levels),
         "start_ns": start,
         "dur_ns": dur,
         "self_ns": self_ns,
@@ -527,6 +544,7 @@ def _launching_ops(
     correlation: pa.ChunkedArray,
     parent: np.ndarray[Any, Any],
     on_device: np.ndarray[Any, Any],
+    levels: list[np.ndarray[Any, Any]],
 ) -> np.ndarray[Any, np.dtype[np.int64]]:
     """For each device event, the index of the ``cpu_op`` that launched it (-1 when unknown)."""
     n = len(cat_codes)
@@ -538,7 +556,7 @@ def _launching_ops(
         return out
     # innermost cpu_op at or above every event, filled from the roots down
     op_above = np.where(_in(cat_codes, cats, frozenset({HOST_OP_CATEGORY})), np.arange(n), -1)
-    for level in depth_levels(parent)[1:]:
+    for level in levels[1:]:
         own = op_above[level] >= 0
         inherit = level[~own]
         op_above[inherit] = op_above[parent[inherit]]
@@ -572,7 +590,7 @@ DISPATCH_WRAPPER = "PythonDispatchMode"
 DISPATCH_CATEGORY = "python_dispatch"
 
 
-def _mark_tool_overhead(category: pa.Array, names: Any, parent: np.ndarray, depth: np.ndarray) -> pa.Array:
+def _mark_tool_overhead(category: pa.Array, names: Any, parent: np.ndarray, levels: list[np.ndarray]) -> pa.Array:
     """Events inside a ``tpudiag::`` range (the numerics checker's own work) get category ``tpudiag_overhead``.
 
     They stay in the trace, so the time tpudiag spent is visible, but they are never ranked as the script's ops.
@@ -586,8 +604,7 @@ def _mark_tool_overhead(category: pa.Array, names: Any, parent: np.ndarray, dept
     wrapper = np.asarray(pc.equal(name_arr, DISPATCH_WRAPPER).to_numpy(zero_copy_only=False), dtype=bool)
     if not mark.any() and not wrapper.any():
         return category
-    for level in range(1, int(depth.max()) + 1 if len(depth) else 0):
-        at = np.flatnonzero(depth == level)
+    for at in levels[1:]:
         mark[at] |= mark[parent[at]]
     # Under a dispatch mode an op is recorded twice: the outer call, then the mode's re-dispatch inside the wrapper.
     # The inner one holds the real work, so the outer one is dispatch bookkeeping too (an op then counts once).
