@@ -16,6 +16,7 @@ the launching op is the innermost ``cpu_op`` around that call.  The kernel row t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import queue
@@ -38,6 +39,7 @@ from tpudiag.analysis.steps import StepSpan, detect_steps, step_array
 from tpudiag.analysis.tree import attribute_modules, decode, encode, levels_by_depth, nest_arrays
 from tpudiag.errors import ImportFormatError
 from tpudiag.model import Step, TraceEvent, arrow_schema
+from tpudiag.traces import decodepool
 from tpudiag.traces.jsonsplit import EventSplitter, StreamFormatError
 
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
@@ -45,6 +47,7 @@ LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 HOST_OP_CATEGORY = "cpu_op"
 READ_CHUNK = 1 << 20  # compressed bytes read at a time
 _QUEUED_CHUNKS = 4  # decompressed chunks waiting for the decoder (bounds memory)
+PARALLEL_MIN_BYTES = 4 << 20  # smaller files decode in-process (forking a worker would cost more than it saves)
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
 Progress = Callable[[int], None]  # called with the number of events read so far
@@ -170,8 +173,29 @@ def _prefetched(chunks: Iterator[bytes]) -> Iterator[bytes]:
         worker.join()
 
 
-def load(path: Path, progress: Progress | None = None) -> KinetoTrace:
-    """Read one Chrome/Kineto trace file (plain or gzip) with bounded memory."""
+def load(path: Path, progress: Progress | None = None, parallel: bool = False) -> KinetoTrace:
+    """Read one Chrome/Kineto trace file (plain or gzip) with bounded memory.
+
+    ``parallel``: decode every other batch in a forked second process (for a short-lived process that owns its
+    threads, like the import command; never inside a profiled script).  Any failure on that path (a batch the fast
+    splitter cut badly, a bad file, a dead worker) reads the file again in-process, so results and errors are the
+    in-process ones."""
+    if parallel and path.stat().st_size >= PARALLEL_MIN_BYTES and decodepool.fork_available():
+        try:
+            return _finish(path, *_read_parallel(path, progress))
+        except Exception:  # the in-process read below gives the canonical result or error
+            pass
+    return _finish(path, *_read(path, progress))
+
+
+def _finish(path: Path, builder: _Builder, meta: Any) -> KinetoTrace:
+    trace = builder.finish(meta if isinstance(meta, dict) else {})
+    if trace.rank is None and (m := _RANK_IN_NAME.search(path.name)):
+        trace.rank = int(m.group(1))
+    return trace
+
+
+def _read(path: Path, progress: Progress | None) -> tuple[_Builder, Any]:
     splitter = EventSplitter()
     builder = _Builder()
 
@@ -199,10 +223,60 @@ def load(path: Path, progress: Progress | None = None) -> KinetoTrace:
         raise ImportFormatError(f"{path}: {err}") from None
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
         raise ImportFormatError(f"{path}: not a valid Chrome/Kineto trace ({err})") from None
-    trace = builder.finish(meta if isinstance(meta, dict) else {})
-    if trace.rank is None and (m := _RANK_IN_NAME.search(path.name)):
-        trace.rank = int(m.group(1))
-    return trace
+    return builder, meta
+
+
+class _RemoteCoder:
+    """The worker's side: decodes and codes a batch with its own dictionaries, returned with the part."""
+
+    def __init__(self) -> None:
+        self.builder = _Builder()
+
+    def __call__(self, batch: bytes) -> tuple[_Part, tuple[list[str], list[str], list[Any]]]:
+        return self.builder.code(_EVENTS.decode(batch)), self.builder.keys()
+
+
+def _read_parallel(path: Path, progress: Progress | None) -> tuple[_Builder, Any]:
+    """``_read`` with every batch the worker is free for decoded in the worker; parts are appended in file order.
+
+    Only the fast splitter runs here: a batch that does not decode raises, and the caller reads in-process."""
+    splitter = EventSplitter()
+    builder = _Builder()
+    waiting: collections.deque[_Part | None] = collections.deque()  # None: the batch in the worker
+
+    with decodepool.DecodeWorker(_RemoteCoder()) as worker:  # forked before the gunzip thread starts
+
+        def settle(wait: bool) -> None:
+            while waiting:
+                head = waiting[0]
+                if head is None:
+                    if not (wait or worker.ready()):
+                        return
+                    part, keys = worker.result()
+                    head = builder.remap(part, *keys)
+                waiting.popleft()
+                builder.append(head)
+            if progress is not None:
+                progress(builder.rows)
+
+        def take(batch: bytes | None) -> None:
+            if batch is None:
+                return
+            if worker.busy:
+                waiting.append(builder.code(_EVENTS.decode(batch)))
+            else:
+                worker.submit(batch)
+                waiting.append(None)
+            settle(wait=len(waiting) > _QUEUED_CHUNKS)
+
+        for chunk in _prefetched(_byte_chunks(path)):
+            take(splitter.feed(chunk))
+        take(splitter.drain())
+        settle(wait=True)
+    if not splitter.fast:
+        raise StreamFormatError("the fast splitter gave up")  # unreachable: rejects are never asked for here
+    rest = splitter.finish()
+    return builder, _ANY.decode(rest) if rest is not None else {}
 
 
 def parse(doc: Any, origin: str = "<trace>") -> KinetoTrace:
@@ -219,6 +293,17 @@ def parse(doc: Any, origin: str = "<trace>") -> KinetoTrace:
     except msgspec.ValidationError as err:
         raise ImportFormatError(f"{origin}: not a valid Chrome/Kineto trace ({err})") from None
     return builder.finish(meta)
+
+
+@dataclass
+class _Part:
+    """One batch's columns: codes (name, category, thread pair, start, dur), args columns, and the process/thread
+    names its metadata events set (applied in file order when the part is appended)."""
+
+    codes: tuple[np.ndarray[Any, Any], ...] | None = None
+    args: list[pa.Array] | None = None
+    process_names: dict[str, str] = field(default_factory=dict)
+    thread_names: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 class _Builder:
@@ -240,49 +325,63 @@ class _Builder:
         self._args: list[list[pa.Array]] = []  # args, external_id, correlation, seq_nr, shapes, dtypes
 
     def add(self, events: list[_Event]) -> None:
+        self.append(self.code(events))
+
+    def append(self, part: _Part) -> None:
+        self.process_names.update(part.process_names)
+        self.thread_names.update(part.thread_names)
+        if part.codes is not None and part.args is not None:
+            self._codes.append(part.codes)
+            self._args.append(part.args)
+            self.rows += len(part.codes[3])
+
+    def code(self, events: list[_Event]) -> _Part:
+        """Columns of a batch's complete events (codes into this builder's dictionaries); metadata events are
+        recorded.  The caller appends the result (``append``) in file order."""
         # Attribute access through C-level map/attrgetter and codes from defaultdicts whose factory numbers new keys
         # (same codes as ``setdefault(key, len(d))``): no Python-level loop over the events in the common case.
+        part = _Part()
         ts_list = list(map(_TS, events))
         if list(map(_PH, events)).count("X") == len(events) and None not in ts_list:
             xs = events
         else:
             for e in events:
                 if e.ph == "M" and e.args:
-                    self._metadata_event(e)
+                    _metadata_event(e, part)
             xs = [e for e in events if e.ph == "X" and e.ts is not None]
             ts_list = list(map(_TS, xs))
         if not xs:
-            return
+            return part
         n = len(xs)
         ts = np.fromiter(ts_list, dtype=np.float64, count=n)
         dur = np.array(list(map(_DUR, xs)), dtype=np.float64)  # a missing dur (None) becomes NaN, then 0
         whole = np.floor(ts)
         start = whole.astype(np.int64) * 1000 + np.rint((ts - whole) * 1000).astype(np.int64)
-        self._codes.append(
-            (
-                np.fromiter(map(self._names.__getitem__, map(_NAME, xs)), np.int32, n),
-                np.fromiter(map(self._categories.__getitem__, map(_CAT, xs)), np.int32, n),
-                np.fromiter(map(self._threads.__getitem__, map(_THREAD, xs)), np.int32, n),
-                start,
-                np.maximum(np.rint(np.nan_to_num(dur) * 1000), 0).astype(np.int64),
-            )
+        part.codes = (
+            np.fromiter(map(self._names.__getitem__, map(_NAME, xs)), np.int32, n),
+            np.fromiter(map(self._categories.__getitem__, map(_CAT, xs)), np.int32, n),
+            np.fromiter(map(self._threads.__getitem__, map(_THREAD, xs)), np.int32, n),
+            start,
+            np.maximum(np.rint(np.nan_to_num(dur) * 1000), 0).astype(np.int64),
         )
-        self._args.append(_args_columns(list(map(_ARGS_OF, xs))))
-        self.rows += n
+        part.args = _args_columns(list(map(_ARGS_OF, xs)))
+        return part
 
-    def _metadata_event(self, e: _Event) -> None:
-        if e.name not in ("process_name", "thread_name"):
-            return
-        try:
-            a = _ANY.decode(e.args)
-        except msgspec.DecodeError:
-            return
-        if not isinstance(a, dict):
-            return
-        if e.name == "process_name":
-            self.process_names[str(e.pid)] = str(a.get("name", ""))
-        else:
-            self.thread_names[(str(e.pid), str(e.tid))] = str(a.get("name", ""))
+    def remap(self, part: _Part, names: list[str], categories: list[str], threads: list[Any]) -> _Part:
+        """``part`` coded by another builder whose dictionaries hold ``names``, ``categories``, ``threads`` (in code
+        order), with its codes translated to this builder's."""
+        if part.codes is None:
+            return part
+        name, cat, pair, start, dur = part.codes
+        maps = [
+            np.fromiter(map(mine.__getitem__, keys), np.int32, len(keys))
+            for mine, keys in ((self._names, names), (self._categories, categories), (self._threads, threads))
+        ]
+        codes = (maps[0][name], maps[1][cat], maps[2][pair], start, dur)
+        return dataclasses.replace(part, codes=codes)
+
+    def keys(self) -> tuple[list[str], list[str], list[Any]]:
+        return list(self._names), list(self._categories), list(self._threads)
 
     def finish(self, meta: dict[str, Any]) -> KinetoTrace:
         meta = {k: v for k, v in meta.items() if k != "traceEvents"}
@@ -320,6 +419,21 @@ class _Builder:
         ]
         arrays += [pa.chunked_array([b[k] for b in self._args], _RAW_COLUMNS.field(6 + k).type) for k in range(6)]
         return pa.Table.from_arrays(arrays, schema=_RAW_COLUMNS)
+
+
+def _metadata_event(e: _Event, part: _Part) -> None:
+    if e.name not in ("process_name", "thread_name"):
+        return
+    try:
+        a = _ANY.decode(e.args)
+    except msgspec.DecodeError:
+        return
+    if not isinstance(a, dict):
+        return
+    if e.name == "process_name":
+        part.process_names[str(e.pid)] = str(a.get("name", ""))
+    else:
+        part.thread_names[(str(e.pid), str(e.tid))] = str(a.get("name", ""))
 
 
 def _numbering() -> defaultdict[Any, int]:

@@ -123,3 +123,27 @@ def fields(buf: Array, starts: Array, ends: Array) -> Fields:
     columns = [np.concatenate(col) for col in zip(*parts, strict=True)]
     order = np.argsort(columns[0], kind="stable")  # rounds are in wire order, so a stable sort keeps it per message
     return Fields(*(col[order] for col in columns))
+
+
+def distinct_ranges(buf: Array, lo: Array, hi: Array) -> tuple[Array, list[bytes]]:
+    """Code of each byte range ``buf[lo[i]:hi[i]]`` among the distinct ones, and their bytes (code 0: empty).
+
+    Ranges of one length are hashed column by column and the hash groups checked byte for byte; a collision
+    (never seen in practice) falls back to an exact sort of the ranges.
+    """
+    codes = np.zeros(len(lo), dtype=np.int64)
+    values = [b""]
+    length = hi - lo
+    for size in np.unique(length[length > 0]).tolist():
+        sel = np.flatnonzero(length == size)
+        rows = buf[lo[sel, None] + np.arange(size)]
+        h = np.zeros(len(sel), dtype=np.uint64)
+        for j in range(size):
+            h = h * np.uint64(1099511628211) + rows[:, j]
+        _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+        if not (rows == rows[first[inverse]]).all():
+            void = np.ascontiguousarray(rows).view(np.dtype((np.void, size))).ravel()
+            _, first, inverse = np.unique(void, return_index=True, return_inverse=True)
+        codes[sel] = len(values) + inverse.ravel()
+        values.extend(rows[first].tobytes()[k * size : (k + 1) * size] for k in range(len(first)))
+    return codes, values

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ _NAME_TYPE = re.compile(r"^(.*[^:]):([^:]+)$")
 class XPlaneTables:
     events: pa.Table
     steps: list[StepSpan]
+    devices: list[str] = field(default_factory=list)  # device names of the on-device events ("TPU:0", ...)
 
 
 def load(path: Path, run_id: str, rank: int = 0, first_event_id: int = 0) -> XPlaneTables:
@@ -81,24 +82,27 @@ def to_tables(
 ) -> XPlaneTables:
     """Events -> trace_events rows (categories, nesting, steps) and step spans.
 
-    Every column but the times, nesting and steps is computed once per event group and expanded with numpy.
+    Every column but the times, nesting and steps is computed once per event kind (args and HLO category once per
+    group) and expanded with numpy.
     """
-    g = ev.groups
+    g = ev.kinds
+    kind = ev.kind
     group = ev.group
     n = ev.num_rows
     line_cat: list[str] = [c or "" for c in g["category"]]
     kernel: list[str] = [k or "" for k in g["kernel_name"]]
-    on_device_g = np.array([c in DEVICE_LINE_CATEGORIES for c in line_cat], dtype=bool)
+    on_device_k = np.array([c in DEVICE_LINE_CATEGORIES for c in line_cat], dtype=bool)
+    on_device_g = on_device_k[ev.group_kind] if len(ev.group_kind) else ev.group_kind.astype(bool)
     category = [
         DEVICE_LINE_CATEGORIES.get(c)
         or (HOST_OP_CATEGORY if tf_type else "python_function" if k.startswith(_PYTHON_FRAME) else "host")
         for c, tf_type, k in zip(line_cat, g["tf_op_type"], kernel, strict=True)
     ]
-    name = [h if dev and h else k for dev, h, k in zip(on_device_g.tolist(), g["hlo_op"], kernel, strict=True)]
+    name = [h if dev and h else k for dev, h, k in zip(on_device_k.tolist(), g["hlo_op"], kernel, strict=True)]
     thread = [
         (c if c != "device" else f"stream {sid}") if dev else (tname or str(tid))
         for dev, c, sid, tname, tid in zip(
-            on_device_g.tolist(), line_cat, g["stream_id"], g["thread_name"], g["thread_id"], strict=True
+            on_device_k.tolist(), line_cat, g["stream_id"], g["thread_name"], g["thread_id"], strict=True
         )
     ]
     process = [f"{host}:{d or ''}" if host else (d or "") for d in g["device"]]
@@ -108,22 +112,22 @@ def to_tables(
     )
     start, end = ev.start_ns, ev.end_ns
     dur = np.maximum(end - start, 0)
-    parent, depth, _ = nest_arrays(thread_code[group], start, dur)
-    on_device = on_device_g[group]
-    name_column = _strings(name, group)
+    parent, depth, _ = nest_arrays(thread_code[kind], start, dur)
+    on_device = on_device_k[kind]
+    name_column = _strings(name, kind)
     steps = _steps(ev, line_cat, kernel, start, dur, parent, name_column)
     hlo_category = [
         (m.group(1) if (m := _HLO_CATEGORY.search(a or "")) else None) if dev else None
-        for dev, a in zip(on_device_g.tolist(), g["trace_args"], strict=True)
+        for dev, a in zip(on_device_g.tolist(), ev.trace_args, strict=True)
     ]
     columns: dict[str, pa.Array] = {
         "run_id": _strings([run_id], np.zeros(n, dtype=np.int64)),
         "event_id": pa.array(np.arange(first_event_id, first_event_id + n, dtype=np.int64)),
         "source": _strings(["xplane"], np.zeros(n, dtype=np.int64)),
-        "process": _strings(process, group),
-        "thread": _strings(thread, group),
+        "process": _strings(process, kind),
+        "thread": _strings(thread, kind),
         "name": name_column,
-        "category": _strings(category, group),
+        "category": _strings(category, kind),
         "start_ns": pa.array(start),
         "dur_ns": pa.array(dur),
         "self_ns": pa.array(np.where(on_device, ev.self_time_ns, _host_self(parent, dur))),
@@ -131,23 +135,24 @@ def to_tables(
         "parent_id": pa.array(parent + first_event_id, mask=parent < 0),
         "rank": pa.array(np.full(n, rank, dtype=np.int64)),
         "step": _step_numbers(ev, start, steps),
-        "correlation": _numbers(g["correlation_id"], group, pa.int64()),
+        "correlation": _numbers(g["correlation_id"], kind, pa.int64()),
         "on_device": pa.array(on_device),
-        "flops": _numbers(g["flops"], group, pa.float64()),
-        "bytes_accessed": _numbers(g["memory_accessed"], group, pa.float64()),
+        "flops": _numbers(g["flops"], kind, pa.float64()),
+        "bytes_accessed": _numbers(g["memory_accessed"], kind, pa.float64()),
         "framework_op": _strings(
-            [_framework_op(t) if dev else None for dev, t in zip(on_device_g.tolist(), g["tf_op_name"], strict=True)],
-            group,
+            [_framework_op(t) if dev else None for dev, t in zip(on_device_k.tolist(), g["tf_op_name"], strict=True)],
+            kind,
         ),
         "hlo_category": _strings(hlo_category, group),
-        "args": _strings(_args(g), group),
+        "args": _strings(_args(ev), group),
     }
     schema = arrow_schema(TraceEvent)
     arrays = [columns[f.name] if f.name in columns else pa.nulls(n, f.type) for f in schema]
     table = pa.Table.from_arrays(
         arrays, schema=pa.schema([pa.field(f.name, a.type) for f, a in zip(schema, arrays, strict=True)])
     )
-    return XPlaneTables(events=table, steps=steps)
+    devices = {p.split(":", 1)[-1] for p, dev in zip(process, on_device_k.tolist(), strict=True) if dev}
+    return XPlaneTables(events=table, steps=steps, devices=sorted(devices))
 
 
 def _strings(values: Sequence[str | None], group: np.ndarray[Any, Any]) -> pa.Array:
@@ -178,11 +183,11 @@ def _host_self(parent: np.ndarray[Any, Any], dur: np.ndarray[Any, Any]) -> np.nd
     return np.maximum(dur - child, 0)
 
 
-def _events_of(ev: xplane_events.EventColumns, groups: list[bool]) -> list[int]:
-    """Indices (in order) of the events whose group is marked."""
-    if not any(groups):
+def _events_of(codes: np.ndarray[Any, Any], marked: list[bool]) -> list[int]:
+    """Indices (in order) of the events whose code (kind or group) is marked."""
+    if not any(marked):
         return []
-    return np.flatnonzero(np.asarray(groups, dtype=bool)[ev.group]).tolist()
+    return np.flatnonzero(np.asarray(marked, dtype=bool)[codes]).tolist()
 
 
 def _steps(
@@ -196,14 +201,15 @@ def _steps(
 ) -> list[StepSpan]:
     """Device ``Steps`` line first, then host step annotations (``step_num=N``), then torch's own rules."""
     spans: dict[int, StepSpan] = {}
-    for i in _events_of(ev, [c == "Steps" for c in line_cat]):
-        m = _TRAILING_INT.search(kernel[ev.group[i]])
+    kind = ev.kind
+    for i in _events_of(kind, [c == "Steps" for c in line_cat]):
+        m = _TRAILING_INT.search(kernel[kind[i]])
         num = int(m.group(1)) if m else len(spans)
         if num not in spans:
             spans[num] = StepSpan(num, int(start[i]), int(dur[i]), "device_step")
     if not spans:
-        step_num = [_STEP_NUM.search(a or "") for a in ev.groups["trace_args"]]
-        for i in _events_of(ev, [m is not None for m in step_num]):
+        step_num = [_STEP_NUM.search(a or "") for a in ev.trace_args]
+        for i in _events_of(ev.group, [m is not None for m in step_num]):
             m = step_num[ev.group[i]]
             if m and int(m.group(1)) not in spans:
                 spans[int(m.group(1))] = StepSpan(int(m.group(1)), int(start[i]), int(dur[i]), "profiler_step")
@@ -227,17 +233,40 @@ def _step_numbers(ev: xplane_events.EventColumns, start: np.ndarray[Any, Any], s
 
 # Events DB columns that go into args (the reader leaves hlo_fingerprint, flow and output_tensors empty).
 _ARG_COLUMNS = ("hlo_module", "kernel_details", "tf_op_type")
+_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps with options builds one per call
 
 
-def _args(groups: dict[str, list[Any]]) -> list[str | None]:
-    """The args JSON of each group: the columns above, then the ``key=value`` pairs of trace_args."""
+def _args(ev: xplane_events.EventColumns) -> list[str | None]:
+    """The args JSON of each group: its kind's columns above, then the ``key=value`` pairs of its trace_args.
+
+    Built from the kind's JSON and the own pairs' JSON where their keys do not overlap (the common case: a
+    per-step ``group_id``), else from the group's whole trace_args.
+    """
+    kinds = [
+        _pairs({c: ev.kinds[c][k] for c in _ARG_COLUMNS if ev.kinds[c][k] is not None}, ev.kinds["trace_args"][k])
+        for k in range(len(ev.kinds["device"]))
+    ]
+    kind_json = [_JSON.encode(d) if d else None for d in kinds]
+    owns = [_pairs({}, pairs) for pairs in ev.own_pairs]
+    own_items = [_JSON.encode(d)[1:] for d in owns]  # '"key":"value",...}'
     out: list[str | None] = []
-    for i, a in enumerate(groups["trace_args"]):
-        d: dict[str, Any] = {c: groups[c][i] for c in _ARG_COLUMNS if groups[c][i] is not None}
-        if a:
-            for part in a.split(","):
-                key, sep, value = part.partition("=")
-                if sep:
-                    d[key] = value
-        out.append(json.dumps(d, separators=(",", ":")) if d else None)
+    for k, o in zip(ev.group_kind.tolist(), ev.group_own.tolist(), strict=True):
+        if o < 0 or not owns[o]:
+            out.append(kind_json[k])
+        elif kind_json[k] is None:
+            out.append("{" + own_items[o])
+        elif kinds[k].keys().isdisjoint(owns[o]):
+            out.append(f"{kind_json[k][:-1]},{own_items[o]}")
+        else:
+            out.append(_JSON.encode(_pairs(dict(kinds[k]), ev.own_pairs[o])))
     return out
+
+
+def _pairs(d: dict[str, Any], trace_args: str | None) -> dict[str, Any]:
+    """``d`` updated with the ``key=value`` pairs of a trace_args text."""
+    if trace_args:
+        for part in trace_args.split(","):
+            key, sep, value = part.partition("=")
+            if sep:
+                d[key] = value
+    return d

@@ -17,6 +17,7 @@ group: a TPU op that runs every step costs one group, not one Python step per ca
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +32,9 @@ _U32 = 0xFFFFFFFF
 Array = np.ndarray[Any, Any]
 Stats = list[tuple[str, str | None]]
 
-# Events DB columns fixed by an event's group (line, metadata, own stats), in the Events DB's order.
-GROUP_COLUMNS: dict[str, pa.DataType] = {
+# Events DB columns fixed by an event's kind: its line and metadata, and its own stats where they change a
+# column (not only trace_args), in the Events DB's order.
+KIND_COLUMNS: dict[str, pa.DataType] = {
     "device": pa.string(),
     "stream_id": pa.int64(),
     "thread_id": pa.int64(),
@@ -47,15 +49,22 @@ GROUP_COLUMNS: dict[str, pa.DataType] = {
     "category": pa.string(),
     "flops": pa.float64(),
     "memory_accessed": pa.float64(),
-    "trace_args": pa.string(),
 }
 
 
 @dataclass(frozen=True)
 class EventColumns:
-    """Events of an XSpace: per-group columns, and per event its group, times and step."""
+    """Events of an XSpace in two levels of sharing.
 
-    groups: dict[str, list[Any]]  # GROUP_COLUMNS, one entry per group
+    A *group* is a (line, metadata, own stats) triple: its trace_args are fixed.  A *kind* is what fixes every other
+    column: usually (line, metadata), so a TPU op whose events differ only in a per-step ``group_id`` is one kind
+    and one group per step.  Per event: its group, times and step.
+    """
+
+    kinds: dict[str, list[Any]]  # KIND_COLUMNS and the kind's trace_args, one entry per kind
+    group_kind: Array  # int64 per group: index into kinds
+    group_own: Array  # int64 per group: index into own_pairs (-1: the kind's trace_args are the group's)
+    own_pairs: list[str]  # "key=value,..." of own stats that only add trace_args pairs
     group: Array  # int64 per event: index into groups
     start_ns: Array
     end_ns: Array
@@ -67,8 +76,25 @@ class EventColumns:
     def num_rows(self) -> int:
         return len(self.group)
 
+    @property
+    def trace_args(self) -> list[str | None]:
+        """Per group: the kind's trace_args, then its own pairs."""
+        kind_args: list[str | None] = self.kinds["trace_args"]
+        out: list[str | None] = []
+        for k, o in zip(self.group_kind.tolist(), self.group_own.tolist(), strict=True):
+            base = kind_args[k]
+            out.append(base if o < 0 else f"{base},{self.own_pairs[o]}" if base else self.own_pairs[o])
+        return out
+
+    @property
+    def kind(self) -> Array:
+        """Kind of each event."""
+        return self.group_kind[self.group] if len(self.group) else self.group
+
     def group_table(self) -> pa.Table:
-        return pa.table({c: pa.array(self.groups[c], typ) for c, typ in GROUP_COLUMNS.items()})
+        kinds = pa.table({c: pa.array(self.kinds[c], typ) for c, typ in KIND_COLUMNS.items()})
+        groups = kinds.take(pa.array(self.group_kind, pa.int64()))
+        return groups.append_column("trace_args", pa.array(self.trace_args, pa.string()))
 
     def step(self) -> pa.Array:
         names = pa.array([*self.step_names, None], pa.string())
@@ -83,7 +109,8 @@ class EventColumns:
         columns["step"] = self.step()
         columns["start_ns"] = pa.array(self.start_ns)
         columns["end_ns"] = pa.array(self.end_ns)
-        order = [*list(GROUP_COLUMNS)[:11], "self_time_ns", "step", *list(GROUP_COLUMNS)[11:], "start_ns", "end_ns"]
+        names = [*KIND_COLUMNS, "trace_args"]
+        order = [*names[:11], "self_time_ns", "step", *names[11:], "start_ns", "end_ns"]
         table = pa.table({c: columns[c] for c in order})
         for c, typ in (("input_tensors", pa.list_(pa.string())), ("output_tensors", pa.list_(pa.string()))):
             table = table.append_column(c, pa.nulls(n, typ))
@@ -139,9 +166,18 @@ class _Columns:
     """Groups and per-event arrays of all planes, appended line by line."""
 
     def __init__(self) -> None:
-        self.groups: dict[str, list[Any]] = {c: [] for c in GROUP_COLUMNS}
+        self.kinds: dict[str, list[Any]] = {c: [] for c in [*KIND_COLUMNS, "trace_args"]}
+        self.group_kind: list[int] = []
+        self.group_own: list[int] = []
+        self.own_pairs: list[str] = []
         self.parts: dict[str, list[Array]] = {c: [] for c in ("group", "start_ns", "end_ns", "self", "step")}
         self.step_index: dict[str, int] = {}
+
+    def add_kind(self, row: dict[str, Any], d: dict[str, str | None]) -> tuple[int, str | None, dict[str, str | None]]:
+        """A new kind from a full row (KIND_COLUMNS and trace_args): (its index, trace_args, stats dict)."""
+        for c, values in self.kinds.items():
+            values.append(row[c])
+        return len(self.kinds["device"]) - 1, row["trace_args"], d
 
     def step_code(self, step: str | None) -> int:
         return -1 if step is None else self.step_index.setdefault(step, len(self.step_index))
@@ -152,7 +188,10 @@ class _Columns:
             return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
         return EventColumns(
-            groups=self.groups,
+            kinds=self.kinds,
+            group_kind=np.array(self.group_kind, dtype=np.int64),
+            group_own=np.array(self.group_own, dtype=np.int64),
+            own_pairs=self.own_pairs,
             group=cat("group"),
             start_ns=cat("start_ns"),
             end_ns=cat("end_ns"),
@@ -164,23 +203,23 @@ class _Columns:
 
 @dataclass
 class _Line:
-    """One XLine's events decoded: metadata id, times, and the group of each event (with its stats)."""
+    """One XLine's events decoded: times, and the group of each event (its metadata id and own stat bytes)."""
 
     line: Any
     group: Array  # per event: index into keys
-    keys: list[tuple[str, Stats]]  # per group: (name, metadata stats + event stats)
+    keys: list[tuple[int, bytes]]  # per group: (metadata id, serialized own stats)
     start_ns: Array
     end_ns: Array
     dur_ps: Array
 
 
-def _decode_line(line: Any, meta: dict[int, tuple[str, Stats]], stat_names: dict[int, str]) -> _Line:
+def _decode_line(line: Any) -> _Line:
     events = line.events
     n = len(events)
     lengths = np.fromiter(map(len, events), dtype=np.int64, count=n)
-    data = b"".join(events)
+    buf = protowire.padded(b"".join(events))
     ends = np.cumsum(lengths)
-    fields = protowire.fields(protowire.padded(data), ends - lengths, ends)
+    fields = protowire.fields(buf, ends - lengths, ends)
     metadata_id = fields.scalar(1, n)
     offset_ps = fields.scalar(2, n)
     dur_ps = np.maximum(fields.scalar(3, n), 0)
@@ -193,38 +232,66 @@ def _decode_line(line: Any, meta: dict[int, tuple[str, Stats]], stat_names: dict
         last = len(stats.owner) - 1 - np.unique(stats.owner[::-1], return_index=True)[1]
         lo[owners] = stats.at[first]
         hi[owners] = stats.end[last]
-    index: dict[tuple[int, bytes], int] = {}
-    codes = [
-        index.setdefault((m, data[a:b]), len(index))
-        for m, a, b in zip(metadata_id.tolist(), lo.tolist(), hi.tolist(), strict=True)
-    ]
-    keys = []
-    for mid, raw in index:
-        name, md_stats = meta.get(mid, ("", []))
-        own = _stats(xplane_proto.XEvent.FromString(raw).stats, stat_names) if raw else []
-        keys.append((name, md_stats + own))
+    own, raw = protowire.distinct_ranges(buf, lo, hi)
+    mids, mid_code = np.unique(metadata_id, return_inverse=True)
+    combined, group = np.unique(mid_code.ravel() * len(raw) + own, return_inverse=True)
     base_ns = int(line.timestamp_ns)
     return _Line(
         line=line,
-        group=np.array(codes, dtype=np.int64),
-        keys=keys,
+        group=group.ravel().astype(np.int64),
+        keys=[(int(mids[k // len(raw)]), raw[k % len(raw)]) for k in combined.tolist()],
         start_ns=base_ns + offset_ps // 1000,
         end_ns=base_ns + (offset_ps + dur_ps) // 1000,
         dur_ps=dur_ps,
     )
 
 
+# Stats that change an event's columns (beyond trace_args) or make it a host step annotation.
+_ROW_STATS = _DEVICE_COLUMN_STATS | {"program_id", "_r", "step_num"}
+
+
+class _Plane:
+    """A plane's metadata, with event stats decoded once per distinct serialized form."""
+
+    def __init__(self, plane: Any) -> None:
+        self.stat_names = {k: m.name for k, m in plane.stat_metadata.items()}
+        self.meta: dict[int, tuple[str, Stats]] = {
+            k: (m.display_name or m.name, _stats(m.stats, self.stat_names)) for k, m in plane.event_metadata.items()
+        }
+        self._own: dict[bytes, Stats] = {b"": []}
+        self._pairs: dict[bytes, tuple[int, dict[str, str | None]] | None] = {}
+
+    def own(self, raw: bytes) -> Stats:
+        stats = self._own.get(raw)
+        if stats is None:
+            stats = self._own[raw] = _stats(xplane_proto.XEvent.FromString(raw).stats, self.stat_names)
+        return stats
+
+    def pairs(self, raw: bytes, acc: _Columns) -> tuple[int, dict[str, str | None]] | None:
+        """Own stats that only add trace_args pairs: (their index in ``acc.own_pairs``, as a dict); else None."""
+        if raw not in self._pairs:
+            own = self.own(raw)
+            if _ROW_STATS.isdisjoint(k for k, _ in own):
+                acc.own_pairs.append(",".join(f"{k}={v}" for k, v in own))
+                self._pairs[raw] = (len(acc.own_pairs) - 1, dict(own))
+            else:
+                self._pairs[raw] = None
+        return self._pairs[raw]
+
+    def stats(self, key: tuple[int, bytes]) -> tuple[str, Stats]:
+        """(name, metadata stats + own stats) of a group."""
+        name, md_stats = self.meta.get(key[0], ("", []))
+        return name, md_stats + self.own(key[1]) if key[1] else md_stats
+
+
 def _plane_rows(plane: Any, acc: _Columns) -> None:
     device = device_of(plane.name)
     on_device = plane.name.startswith("/device:")
     gpu = on_device and not plane.name.startswith("/device:TPU")
-    stat_names = {k: m.name for k, m in plane.stat_metadata.items()}
-    meta: dict[int, tuple[str, Stats]] = {
-        k: (m.display_name or m.name, _stats(m.stats, stat_names)) for k, m in plane.event_metadata.items()
-    }
-    lines = [_decode_line(line, meta, stat_names) for line in plane.lines]
-    modules = _by_stat(lines, "XLA Modules", "program_id", "")
-    step_of_group = _by_stat(lines, "Steps", "group_id", "step:") if on_device else {}
+    xp = _Plane(plane)
+    lines = [_decode_line(line) for line in plane.lines]
+    modules = _by_stat(xp, lines, "XLA Modules", "program_id", "")
+    step_of_group = _by_stat(xp, lines, "Steps", "group_id", "step:") if on_device else {}
     producers: dict[tuple[str | None, str | None], int] = {}
     consumers: list[tuple[Array, int, tuple[str | None, str | None]]] = []
     for ln in lines:
@@ -232,30 +299,43 @@ def _plane_rows(plane: Any, acc: _Columns) -> None:
         category = "device" if gpu else line.name if on_device else "host"
         prefix = {"Steps": "step:", "XLA Modules": "HLO Module:"}.get(line.name, "") if on_device else ""
         xla_op = on_device and line.name == "XLA Ops"
-        first_group = len(acc.groups["device"])
+        line_columns = {
+            "device": device,
+            "stream_id": (line.id & _U32) if on_device else None,
+            "thread_id": None if on_device else line.id & _U32,
+            "thread_name": None if on_device else (line.name or line.display_name),
+            "category": category,
+        }
+        by_metadata: dict[int, tuple[int, str | None, dict[str, str | None]]] = {}
+        full_row = functools.partial(
+            _full_row, xla_op=xla_op, on_device=on_device, modules=modules, columns=line_columns, prefix=prefix
+        )
+        first_group = len(acc.group_kind)
         group_step = []
-        for name, stats in ln.keys:
-            d = dict(stats)
-            if not on_device and "_r" in d and "step_num" in d:
-                stats = [*stats, ("step_name", f"{name} {d['step_num']}")]
-            row = _stat_row(stats, xla_op, on_device, modules)
-            row.update(
-                device=device,
-                stream_id=(line.id & _U32) if on_device else None,
-                thread_id=None if on_device else line.id & _U32,
-                thread_name=None if on_device else (line.name or line.display_name),
-                kernel_name=prefix + name,
-                category=category,
-            )
-            for c, v in row.items():
-                acc.groups[c].append(v)
+        for mid, raw in ln.keys:
+            base = by_metadata.get(mid)
+            if base is None:
+                base = by_metadata[mid] = acc.add_kind(*full_row(*xp.stats((mid, b""))))
+            kind, _, d = base
+            own = xp.pairs(raw, acc) if raw else None
+            if own is not None and not ("_r" in d and "step_num" in d):
+                # Own stats only add trace_args pairs (e.g. a per-step group_id): same kind as the metadata's.
+                code, own_d = own
+                d = {**d, **own_d} if "group_id" in own_d else d
+            elif raw:
+                code = -1
+                kind, _, d = acc.add_kind(*full_row(*xp.stats((mid, raw))))
+            else:
+                code = -1
+            acc.group_kind.append(kind)
+            acc.group_own.append(code)
             group_step.append(acc.step_code(step_of_group.get(d.get("group_id"))) if xla_op else -1)
         if on_device:
             step = np.array(group_step, dtype=np.int64)[ln.group] if len(ln.group) else ln.group
         else:
-            step = _host_steps(ln, acc)
-            for i in _flow_events(ln):
-                d = dict(ln.keys[ln.group[i]][1])
+            step = _host_steps(xp, ln, acc)
+            for i in _flow_events(xp, ln):
+                d = dict(xp.stats(ln.keys[ln.group[i]])[1])
                 if step[i] >= 0 and "_p" in d:
                     producers[(d.get("_pt"), d["_p"])] = int(step[i])
                 if step[i] < 0 and "_c" in d:
@@ -269,32 +349,48 @@ def _plane_rows(plane: Any, acc: _Columns) -> None:
         step[i] = producers.get(key, -1)
 
 
-def _by_stat(lines: list[_Line], line_name: str, stat: str, prefix: str) -> dict[str | None, str]:
+def _full_row(
+    name: str,
+    stats: Stats,
+    xla_op: bool,
+    on_device: bool,
+    modules: dict[str | None, str],
+    columns: dict[str, Any],
+    prefix: str,
+) -> tuple[dict[str, Any], dict[str, str | None]]:
+    """A group's columns from all its stats (metadata's, then its own), and the stats as a dict."""
+    d = dict(stats)
+    if not on_device and "_r" in d and "step_num" in d:
+        stats = [*stats, ("step_name", f"{name} {d['step_num']}")]
+    return {**_stat_row(stats, xla_op, on_device, modules), **columns, "kernel_name": prefix + name}, d
+
+
+def _by_stat(xp: _Plane, lines: list[_Line], line_name: str, stat: str, prefix: str) -> dict[str | None, str]:
     """Stat value -> event name over the events of the lines called ``line_name`` (the last event wins)."""
     out: dict[str | None, str] = {}
     for ln in lines:
         if ln.line.name == line_name:
-            for code in ln.group.tolist():
-                name, stats = ln.keys[code]
-                out[dict(stats).get(stat)] = prefix + name
+            per_group = [(dict(stats).get(stat), prefix + name) for name, stats in map(xp.stats, ln.keys)]
+            out.update(per_group[code] for code in ln.group.tolist())
     return out
 
 
-def _flow_events(ln: _Line) -> list[int]:
+def _flow_events(xp: _Plane, ln: _Line) -> list[int]:
     """Events whose stats carry a flow producer or consumer id (``_p``/``_c``), in order."""
-    flows = [i for i, (_, stats) in enumerate(ln.keys) if any(k in ("_p", "_c") for k, _ in stats)]
+    flows = [i for i, key in enumerate(ln.keys) if any(k in ("_p", "_c") for k, _ in xp.stats(key)[1])]
     return np.flatnonzero(np.isin(ln.group, flows)).tolist() if flows else []
 
 
-def _host_steps(ln: _Line, acc: _Columns) -> Array:
+def _host_steps(xp: _Plane, ln: _Line, acc: _Columns) -> Array:
     """Step code of each host event: the host step annotation (``_r`` root with a ``step_num``) containing it."""
-    is_root = [("_r" in (d := dict(stats)) and "step_num" in d) for _, stats in ln.keys]
+    keys = [xp.stats(key) for key in ln.keys]
+    is_root = [("_r" in (d := dict(stats)) and "step_num" in d) for _, stats in keys]
     step = np.full(len(ln.group), -1, dtype=np.int64)
     if not any(is_root):
         return step
     roots = []
     for i in np.flatnonzero(np.asarray(is_root)[ln.group]).tolist():
-        name, stats = ln.keys[ln.group[i]]
+        name, stats = keys[ln.group[i]]
         start = int(ln.start_ns[i])
         roots.append((start, start + int(ln.dur_ps[i]) // 1000, f"{name} {dict(stats)['step_num']}"))
     roots.sort()

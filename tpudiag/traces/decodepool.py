@@ -1,0 +1,83 @@
+"""A second process that decodes batches of trace text, so that decoding uses both cores.
+
+Decoding a Kineto trace is CPU-bound Python (msgspec objects, per-event attribute maps) and holds the GIL, so a
+thread cannot share it.  ``DecodeWorker`` forks one child that applies a function to batches of bytes sent over a
+pipe and sends back the (picklable) result; the parent keeps decoding other batches meanwhile.  At most one batch
+is in flight, so memory stays bounded.  Fork, not spawn: the child inherits the imported modules (no second
+start-up) and the function's state; it is only used from the import command's own short-lived process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+class WorkerError(RuntimeError):
+    """The worker failed (its exception, as text) or died; the caller falls back to decoding in-process."""
+
+
+def fork_available() -> bool:
+    return "fork" in multiprocessing.get_all_start_methods() and (os.cpu_count() or 1) >= 2
+
+
+class DecodeWorker:
+    """One forked child applying ``fn`` to each batch; ``submit`` then ``result`` (one batch at a time)."""
+
+    def __init__(self, fn: Callable[[bytes], Any]) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(target=_serve, args=(fn, child, self._conn), name="tpudiag-decode", daemon=True)
+        self._proc.start()
+        child.close()
+        self.busy = False
+
+    def submit(self, batch: bytes) -> None:
+        assert not self.busy, "one batch at a time"
+        self._conn.send_bytes(batch)
+        self.busy = True
+
+    def ready(self) -> bool:
+        return self.busy and self._conn.poll()
+
+    def result(self) -> Any:
+        """The result of the batch in flight (waits for it); raises ``WorkerError`` if the child failed."""
+        try:
+            ok, value = self._conn.recv()
+        except (EOFError, OSError) as err:
+            raise WorkerError(f"decode worker died ({err})") from None
+        finally:
+            self.busy = False
+        if not ok:
+            raise WorkerError(value)
+        return value
+
+    def close(self) -> None:
+        self._conn.close()  # the child sees EOF and exits
+        self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+    def __enter__(self) -> DecodeWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve(fn: Callable[[bytes], Any], conn: Connection, parent_end: Connection) -> None:
+    parent_end.close()
+    while True:
+        try:
+            batch = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            conn.send((True, fn(batch)))
+        except Exception:  # reported to the parent, which decodes in-process instead
+            conn.send((False, traceback.format_exc(limit=3)))
