@@ -273,8 +273,6 @@ def _read_parallel(path: Path, progress: Progress | None) -> tuple[_Builder, Any
             take(splitter.feed(chunk))
         take(splitter.drain())
         settle(wait=True)
-    if not splitter.fast:
-        raise StreamFormatError("the fast splitter gave up")  # unreachable: rejects are never asked for here
     rest = splitter.finish()
     return builder, _ANY.decode(rest) if rest is not None else {}
 

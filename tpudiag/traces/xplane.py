@@ -203,19 +203,26 @@ def _steps(
     spans: dict[int, StepSpan] = {}
     kind = ev.kind
     for i in _events_of(kind, [c == "Steps" for c in line_cat]):
-        m = _TRAILING_INT.search(kernel[kind[i]])
-        num = int(m.group(1)) if m else len(spans)
+        num = _step_number(kernel[kind[i]])
+        num = len(spans) if num is None else num
         if num not in spans:
             spans[num] = StepSpan(num, int(start[i]), int(dur[i]), "device_step")
     if not spans:
-        step_num = [_STEP_NUM.search(a or "") for a in ev.trace_args]
-        for i in _events_of(ev.group, [m is not None for m in step_num]):
-            m = step_num[ev.group[i]]
-            if m and int(m.group(1)) not in spans:
-                spans[int(m.group(1))] = StepSpan(int(m.group(1)), int(start[i]), int(dur[i]), "profiler_step")
+        step_num = [_step_number(a or "", _STEP_NUM) for a in ev.trace_args]
+        for i in _events_of(ev.group, [num is not None for num in step_num]):
+            num = step_num[ev.group[i]]
+            if num is not None and num not in spans:
+                spans[num] = StepSpan(num, int(start[i]), int(dur[i]), "profiler_step")
     if spans:
         return [spans[k] for k in sorted(spans)]
     return detect_steps(name, start, dur, parent) if len(name) else []
+
+
+def _step_number(text: str, pattern: re.Pattern[str] = _TRAILING_INT) -> int | None:
+    """The step number in ``text`` (trailing digits, or ``step_num=N``); None if absent or beyond int64."""
+    m = pattern.search(text)
+    value = int(m.group(1)) if m else None
+    return value if value is not None and value < 2**63 else None
 
 
 def _step_numbers(ev: xplane_events.EventColumns, start: np.ndarray[Any, Any], steps: list[StepSpan]) -> pa.Array:
@@ -223,9 +230,9 @@ def _step_numbers(ev: xplane_events.EventColumns, start: np.ndarray[Any, Any], s
     by_time = step_array(start, steps).to_numpy(zero_copy_only=False)
     missing = np.isnan(by_time) if by_time.dtype.kind == "f" else np.zeros(len(by_time), dtype=bool)
     value = np.where(missing, 0, by_time).astype(np.int64)
-    named = [_TRAILING_INT.search(s) for s in ev.step_names]
+    named = [_step_number(s) for s in ev.step_names]
     has = np.array([m is not None for m in named] + [False], dtype=bool)
-    num = np.array([int(m.group(1)) if m else 0 for m in named] + [0], dtype=np.int64)
+    num = np.array([m or 0 for m in named] + [0], dtype=np.int64)
     code = np.where(ev.step_code < 0, len(named), ev.step_code)
     from_name = has[code]
     return pa.array(np.where(from_name, num[code], value), pa.int64(), mask=~from_name & missing)

@@ -436,10 +436,12 @@ def _stat_row(stats: Stats, xla_op: bool, on_device: bool, modules: dict[str | N
 
 
 def _int(text: str | None) -> int | None:
+    """An int64 column value; text that is no int64 (e.g. a uint64 id above 2**63) is left out."""
     try:
-        return int(text) if text is not None else None
+        value = int(text) if text is not None else None
     except ValueError:
         return None
+    return value if value is not None and -(2**63) <= value < 2**63 else None
 
 
 def _float(text: str | None) -> float | None:
