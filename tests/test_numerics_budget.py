@@ -102,6 +102,95 @@ def test_budget_keeps_a_small_op_script_near_plain_speed(tmp_path: Path, db: Pat
     assert min(budgeted) <= 2.0 * min(plain), (plain, budgeted)
     cov = _report(tmp_path, db)["numerics"]["coverage"]
     assert cov["skipped"].get("budget", 0) > 0
+    assert cov["ops_checked"] > 0, cov  # 5% of a 200-step run affords checks of these tiny ops
     tanh = _calls(db, "aten::tanh", "forward")
     assert sum(tanh.values()) == LAYERS * steps, tanh
     assert tanh.get("budget", 0) >= LAYERS * steps // 2, tanh
+
+
+# A loop that changes its batch size after the schedule has gone steady (steps 0-2 watched, then every 50th).
+RESHAPE_SCRIPT = """
+import sys, torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3) if sys.argv[1] == "optimizer" else None
+for i in range(80):
+    x = torch.randn(4 if i < 60 else 7, 16)
+    if opt is None:
+        with torch.no_grad():
+            model(x)
+    else:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+"""
+
+
+@pytest.mark.parametrize("boundaries", ["optimizer", "root_forward"])
+def test_new_input_shapes_on_an_unwatched_step_get_the_next_step_watched(
+    tmp_path: Path, db: Path, boundaries: str
+) -> None:
+    script = tmp_path / "reshape.py"
+    script.write_text(RESHAPE_SCRIPT)
+    proc = run_tpudiag("capture", "--db", str(db), "--collect", "numerics", str(script), boundaries, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    with Store(db).reader() as con:
+        shapes = {
+            str(s)
+            for (s,) in con.execute(
+                "SELECT shapes FROM ops WHERE op = 'aten::tanh' AND checked "
+                "AND run_id = (SELECT id FROM runs ORDER BY started_at DESC LIMIT 1)"
+            ).fetchall()
+        }
+    # Batch 7 first appears at step 60, which the schedule alone would not watch (steady since step 3; every 50th).
+    assert shapes == {"[[4,16]]", "[[7,16]]"}, shapes
+    settings = json.loads(next(Store(db).runs_dir.rglob("numerics/settings.json")).read_text())
+    assert settings["steps"]["boundaries"] == boundaries
+    assert settings["steps"]["rewatched_for_new_inputs"] == 1, settings["steps"]
+    # Still mostly unwatched: the probe asks for one step, the schedule goes steady again after it.
+    assert settings["steps"]["watched"] <= 8, settings["steps"]
+
+
+# Ops big enough that one check costs a measurable fraction of a step, many steps: a budget of 20% affords some.
+AFFORDABLE_SCRIPT = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+x = torch.randn(64, 128)
+for _ in range(150):
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+"""
+
+
+def test_budget_checks_what_it_can_afford_and_stays_near_its_share(tmp_path: Path, db: Path) -> None:
+    script = tmp_path / "affordable.py"
+    script.write_text(AFFORDABLE_SCRIPT)
+    proc = run_tpudiag(
+        "capture",
+        "--db",
+        str(db),
+        "--collect",
+        "numerics",
+        "--numerics",
+        "all",
+        "--budget",
+        "20",
+        str(script),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    cov = _report(tmp_path, db)["numerics"]["coverage"]
+    # Checks were affordable (a step takes milliseconds, a check of these ops well under one): some were made,
+    # and more than on the first step alone, and not everything (the budget did refuse some).
+    assert cov["ops_checked"] > 20, cov
+    assert cov["skipped"].get("budget", 0) > cov["ops_checked"], cov
+    settings = json.loads(next(Store(db).runs_dir.rglob("numerics/settings.json")).read_text())
+    budget = settings["budget"]
+    # By the collector's own accounting (measured check time, dispatch and step costs), the extra time is within
+    # the percentage of the script's time, with a generous margin for the first step (always watched).
+    script_s = budget["elapsed_s"] - budget["spent_s"]
+    assert budget["spent_s"] <= 2.0 * 0.20 * script_s, budget
+    assert settings["steps"]["watched"] >= 2, settings["steps"]

@@ -126,6 +126,8 @@ class NumericsCollector:
         self._root: Any = None
         self._opt_steps = 0
         self._steps = _StepState()
+        self._probes: dict[int, Any] = {}  # root module id -> forward pre-hook handle (input shape probe)
+        self._root_inputs: set[tuple[Any, ...]] = set()
 
     # -- plugin protocol --------------------------------------------------------------------------------------
     def is_available(self) -> bool:
@@ -217,7 +219,7 @@ class NumericsCollector:
         if self._progress is not None:
             self._progress.join(timeout=5)
         self._clear_progress()
-        parts: list[Any] = [self._tracker, self._backward, self._detach_hook, self._step_hook]
+        parts: list[Any] = [self._tracker, self._backward, self._detach_hook, self._step_hook, *self._probes.values()]
         for part in parts:
             with contextlib.suppress(Exception):
                 part.remove()
@@ -242,6 +244,7 @@ class NumericsCollector:
             "watched": st.watched,
             "unwatched": dict(st.unwatched),
             "budget_detaches": st.budget_detaches,
+            "rewatched_for_new_inputs": st.rewatches,
         }
         budget: Any = self._mode.budget
         if budget.pct is not None:
@@ -319,6 +322,9 @@ class NumericsCollector:
 
     def _on_module(self, module: Any, args: Any) -> None:
         """Root forwards are step boundaries for scripts without an optimizer; budget detach mid-step."""
+        tracker = self._tracker
+        if self._entered and tracker is not None and id(module) not in self._probes and tracker.current() is None:
+            self._add_probe(module)
         if self._opt_steps == 0 and self._tracker is not None:
             if self._root is None:
                 if self._entered and self._tracker.current() is None:
@@ -335,6 +341,22 @@ class NumericsCollector:
         if self._entered and mode is not None and mode.detach_requested and self._leave_mode():
             self._steps.partial = True
             self._steps.budget_detaches += 1
+
+    def _add_probe(self, root: Any) -> None:
+        """A forward pre-hook on this root module only (no global hook): it sees the root's input shapes and dtypes
+        on every step, watched or not, and asks for the next step to be watched when they are new."""
+        with contextlib.suppress(Exception):
+            self._probes[id(root)] = root.register_forward_pre_hook(self._probe, with_kwargs=True)
+
+    def _probe(self, module: Any, args: Any, kwargs: Any) -> None:
+        signature = _input_signature(args, kwargs)
+        if signature in self._root_inputs:
+            return
+        self._root_inputs.add(signature)
+        st = self._steps
+        if not st.watching and len(self._root_inputs) > 1:
+            st.rewatch = True
+            st.rewatches += 1
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._opt_steps += 1
@@ -359,13 +381,17 @@ class NumericsCollector:
                 st.profile = mode.step_calls
             elif st.profile is None:
                 st.profile = mode.step_calls
+            checks_in_step = budget.check_s - st.check0
             if st.plain_s is not None and budget.pct is not None:
                 measured = max(took - st.plain_s, 0.0)
                 budget.correction_s += max(measured - spent_in_step, 0.0)
-                st.watch_cost_s = max(measured, spent_in_step)
+                cost = max(measured, spent_in_step)
             else:
-                st.watch_cost_s = spent_in_step
+                cost = spent_in_step
                 st.unmeasured.append((took, spent_in_step))
+            # What watching costs by itself (dispatch, hooks), plus one typical check: checks are then admitted one
+            # by one inside the step as the allowance permits.
+            st.watch_cost_s = max(cost - checks_in_step, 0.0) + budget.typical_check_s()
             if st.partial:
                 self._replay("budget", seen=mode.step_calls)
             st.watched += 1
@@ -384,7 +410,10 @@ class NumericsCollector:
         mode.spent_calls = {}
         mode.step_calls = {}
         st.step += 1
-        want = st.schedule.wants(st.step)
+        want = st.schedule.wants(st.step) or st.rewatch
+        if st.rewatch:
+            st.schedule.steady = False  # new inputs: keep watching until a watched step meets nothing new
+            st.rewatch = False
         affordable = budget.affords(st.watch_cost_s, now - mode.started)
         st.watching = want and affordable
         st.reason = "steady_state" if not want else "budget"
@@ -397,6 +426,7 @@ class NumericsCollector:
         st.signatures0 = len(mode.sampler.counts)
         st.t0 = time.perf_counter()
         st.spent0 = budget.spent()
+        st.check0 = budget.check_s
 
     def _replay(self, reason: str, seen: dict[tuple[str, str], list[Any]] | None = None) -> None:
         """Record the calls of an unwatched step (or the unwatched rest of a step) as skipped for ``reason``."""
@@ -480,6 +510,7 @@ class _StepState:
         self.reason = "steady_state"  # why the current step is not watched
         self.t0 = 0.0
         self.spent0 = 0.0
+        self.check0 = 0.0
         self.signatures0 = 0
         self.plain_s: float | None = None  # fastest unwatched step
         self.watch_cost_s = 0.0  # extra seconds the last watched step cost
@@ -488,6 +519,25 @@ class _StepState:
         self.watched = 0
         self.unwatched: dict[str, int] = {}
         self.budget_detaches = 0
+        self.rewatch = False  # the root module saw new input shapes/dtypes while unwatched: watch the next step
+        self.rewatches = 0
+
+
+def _input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
+    """(shape, dtype) of every tensor among a module's inputs (top level and inside lists, tuples, dicts)."""
+    import torch
+
+    out: list[Any] = []
+    todo: list[Any] = [args, kwargs]
+    while todo and len(out) < 64:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            out.append((tuple(x.shape), x.dtype))
+        elif isinstance(x, (list, tuple)):
+            todo.extend(reversed(x))
+        elif isinstance(x, dict):
+            todo.extend(reversed(list(x.values())))
+    return tuple(out)
 
 
 def _on_top(mode: Any) -> bool:

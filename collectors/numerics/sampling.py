@@ -163,6 +163,12 @@ class Budget:
             allowance *= REPEAT_RESERVE
         return self.spent() + self.estimate(op, kind, numel) <= allowance
 
+    def typical_check_s(self) -> float:
+        """The cheapest check cost measured so far per kind (what one more useful check needs at least)."""
+        if not self._rate_by_kind:
+            return self._fixed_s
+        return self._fixed_s + min(self._rate_by_kind.values()) * 1024
+
     def exhausted(self, elapsed_s: float) -> bool:
         """True when the extra time already spent is over the budget (the mode should leave the stack)."""
         if self.pct is None:
