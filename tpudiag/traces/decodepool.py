@@ -78,6 +78,10 @@ def _serve(fn: Callable[[bytes], Any], conn: Connection, parent_end: Connection)
         except (EOFError, OSError):
             return
         try:
-            conn.send((True, fn(batch)))
+            reply = (True, fn(batch))
         except Exception:  # reported to the parent, which decodes in-process instead
-            conn.send((False, traceback.format_exc(limit=3)))
+            reply = (False, traceback.format_exc(limit=3))
+        try:
+            conn.send(reply)
+        except OSError:  # the parent stopped listening (it failed or fell back): leave quietly
+            return

@@ -119,6 +119,19 @@ class EventSplitter:
         buf, self._last = b"".join(self._last), ()
         return self._go_exact(buf)
 
+    @property
+    def last_source(self) -> tuple[bytes, ...]:
+        """Fast mode: the bytes the last batch was cut from (with what follows the cut), for ``reject_from``."""
+        return self._last
+
+    def reject_from(self, source: tuple[bytes, ...]) -> bytes | None:
+        """An earlier batch did not decode (its ``last_source`` was ``source``): split again exactly from it.  The
+        caller feeds again every chunk fed after that batch's chunk; whatever was split from them is void."""
+        self._phase = "events"
+        self._tail = bytearray()
+        self._last = source
+        return self.reject()
+
     def drain(self) -> bytes | None:
         """At the end of the stream: the events fast mode still holds back (call before ``finish``)."""
         return self._go_exact(self._pending) if self.fast and self._phase == "events" else None

@@ -236,43 +236,106 @@ class _RemoteCoder:
         return self.builder.code(_EVENTS.decode(batch)), self.builder.keys()
 
 
-def _read_parallel(path: Path, progress: Progress | None) -> tuple[_Builder, Any]:
-    """``_read`` with every batch the worker is free for decoded in the worker; parts are appended in file order.
+@dataclass
+class _Pending:
+    """A batch on its way into the builder: decoded here (``part``), in the worker (no part yet) or failed."""
 
-    Only the fast splitter runs here: a batch that does not decode raises, and the caller reads in-process."""
+    source: tuple[bytes, ...]  # the splitter's ``last_source`` for this batch
+    chunk: int  # number of the chunk it was cut from
+    part: _Part | None = None
+    failed: bool = False
+
+
+def _read_parallel(path: Path, progress: Progress | None) -> tuple[_Builder, Any]:
+    """``_read`` with the batches decoded by whichever of two processes is free, appended in file order.
+
+    A batch that does not decode (a fast cut inside an event) is handled as ``_read`` does: from that batch on the
+    bytes are split exactly and decoded here; the batches cut after it are void and their chunks are fed again.
+    """
     splitter = EventSplitter()
     builder = _Builder()
-    waiting: collections.deque[_Part | None] = collections.deque()  # None: the batch in the worker
+    waiting: collections.deque[_Pending] = collections.deque()
+    fed: list[bytes] = []  # chunks from number ``first_fed`` on (those a failed batch may need again)
+    first_fed = 0
+    in_process = False
+
+    def add_here(batch: bytes | None) -> None:  # in-process decoding, as ``_read`` does it
+        if batch is None:
+            return
+        try:
+            events = _EVENTS.decode(batch)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            if not splitter.fast:
+                raise
+            add_here(splitter.reject())
+            return
+        builder.add(events)
 
     with decodepool.DecodeWorker(_RemoteCoder()) as worker:  # forked before the gunzip thread starts
 
-        def settle(wait: bool) -> None:
+        def settle(wait: bool) -> _Pending | None:
+            """Append the finished batches at the head of the queue; returns the first failed one, if any."""
             while waiting:
                 head = waiting[0]
-                if head is None:
+                if head.part is None and not head.failed:
                     if not (wait or worker.ready()):
-                        return
-                    part, keys = worker.result()
-                    head = builder.remap(part, *keys)
+                        break
+                    try:
+                        part, keys = worker.result()
+                        head.part = builder.remap(part, *keys)
+                    except decodepool.WorkerError:
+                        head.failed = True
+                if head.failed or head.part is None:
+                    return head
+                builder.append(head.part)
                 waiting.popleft()
-                builder.append(head)
             if progress is not None:
                 progress(builder.rows)
+            return None
 
-        def take(batch: bytes | None) -> None:
+        def recover(failed: _Pending) -> None:
+            nonlocal in_process
+            in_process = True
+            waiting.clear()
+            again = fed[failed.chunk - first_fed + 1 :]
+            fed.clear()
+            add_here(splitter.reject_from(failed.source))
+            for data in again:
+                add_here(splitter.feed(data))
+
+        def take(batch: bytes | None, chunk: int) -> None:
+            nonlocal first_fed
+            if in_process:
+                add_here(batch)
+                return
             if batch is None:
                 return
+            pending = _Pending(splitter.last_source, chunk)
             if worker.busy:
-                waiting.append(builder.code(_EVENTS.decode(batch)))
+                try:
+                    pending.part = builder.code(_EVENTS.decode(batch))
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    pending.failed = True
             else:
                 worker.submit(batch)
-                waiting.append(None)
-            settle(wait=len(waiting) > _QUEUED_CHUNKS)
+            waiting.append(pending)
+            failed = settle(wait=pending.failed or len(waiting) > _QUEUED_CHUNKS)
+            if failed is not None:
+                recover(failed)
+                return
+            keep = waiting[0].chunk if waiting else chunk + 1
+            del fed[: keep - first_fed]
+            first_fed = keep
 
-        for chunk in _prefetched(_byte_chunks(path)):
-            take(splitter.feed(chunk))
-        take(splitter.drain())
-        settle(wait=True)
+        for number, data in enumerate(_prefetched(_byte_chunks(path))):
+            if not in_process:
+                fed.append(data)
+            take(splitter.feed(data), number)
+        if not in_process and (failed := settle(wait=True)) is not None:
+            recover(failed)
+        add_here(splitter.drain())  # the bytes after the last fast cut, split exactly
+    if progress is not None:
+        progress(builder.rows)
     rest = splitter.finish()
     return builder, _ANY.decode(rest) if rest is not None else {}
 

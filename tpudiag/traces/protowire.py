@@ -147,3 +147,25 @@ def distinct_ranges(buf: Array, lo: Array, hi: Array) -> tuple[Array, list[bytes
         codes[sel] = len(values) + inverse.ravel()
         values.extend(rows[first].tobytes()[k * size : (k + 1) * size] for k in range(len(first)))
     return codes, values
+
+
+def dense_codes(values: Array) -> tuple[Array, Array]:
+    """(sorted distinct values, code of each value): ``np.unique(values, return_inverse=True)`` in O(n) when the
+    values are small non-negative integers (metadata ids, group codes), which they usually are."""
+    if len(values) and values.min() >= 0 and values.max() < 4 * len(values) + 1024:
+        present = np.zeros(int(values.max()) + 1, dtype=bool)
+        present[values] = True
+        distinct = np.flatnonzero(present)
+        code_of = np.cumsum(present) - 1
+        return distinct, code_of[values]
+    distinct, codes = np.unique(values, return_inverse=True)
+    return distinct, codes.ravel()
+
+
+def first_and_last(owner: Array) -> tuple[Array, Array, Array]:
+    """For a sorted owner column: each distinct owner, and the index of its first and last entry."""
+    if not len(owner):
+        return owner, owner, owner
+    starts = np.flatnonzero(np.concatenate(([True], owner[1:] != owner[:-1])))
+    ends = np.concatenate((starts[1:], [len(owner)])) - 1
+    return owner[starts], starts, ends

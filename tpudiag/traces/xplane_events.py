@@ -227,14 +227,12 @@ def _decode_line(line: Any) -> _Line:
     stats = fields.select(4)
     lo = np.zeros(n, dtype=np.int64)
     hi = np.zeros(n, dtype=np.int64)
-    if len(stats.owner):
-        owners, first = np.unique(stats.owner, return_index=True)
-        last = len(stats.owner) - 1 - np.unique(stats.owner[::-1], return_index=True)[1]
-        lo[owners] = stats.at[first]
-        hi[owners] = stats.end[last]
+    owners, first, last = protowire.first_and_last(stats.owner)
+    lo[owners] = stats.at[first]
+    hi[owners] = stats.end[last]
     own, raw = protowire.distinct_ranges(buf, lo, hi)
-    mids, mid_code = np.unique(metadata_id, return_inverse=True)
-    combined, group = np.unique(mid_code.ravel() * len(raw) + own, return_inverse=True)
+    mids, mid_code = protowire.dense_codes(metadata_id)
+    combined, group = protowire.dense_codes(mid_code * len(raw) + own)
     base_ns = int(line.timestamp_ns)
     return _Line(
         line=line,
