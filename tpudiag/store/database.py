@@ -16,13 +16,14 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import duckdb
+from typing import TYPE_CHECKING, Any
 
 from tpudiag.errors import StoreError, StoreLockedError
 from tpudiag.model import BULK_TABLES, Run, column_names
 from tpudiag.store.schema import MIGRATIONS, SCHEMA_VERSION, ddl
+
+if TYPE_CHECKING:
+    import duckdb
 
 DEFAULT_DB = "tpudiag.duckdb"
 _JSON_RUN_FIELDS = ("argv", "precision", "env", "collectors", "notes")
@@ -67,6 +68,8 @@ class Store:
 
     # -- connections ------------------------------------------------------------------------------------------
     def _open(self, read_only: bool) -> duckdb.DuckDBPyConnection:
+        import duckdb  # here, not at the top: commands that never open the store (--help) skip its import
+
         deadline = time.monotonic() + self.lock_timeout_s
         delay = 0.02
         while True:
@@ -117,11 +120,14 @@ class Store:
             con.close()
 
     def _stored_version(self, con: duckdb.DuckDBPyConnection) -> int | None:
+        import duckdb
+
+        # One cheap query: the first information_schema lookup of a connection costs ~30 ms.
         # fetchall(), not fetchone(): DuckDB 2 refuses the next query while a result is left unfinished.
-        has_meta = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'meta'").fetchall()
-        if not has_meta or not has_meta[0][0]:
+        try:
+            rows = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
+        except (duckdb.CatalogException, duckdb.BinderException):  # no meta table (or not ours): not a tpudiag store
             return None
-        rows = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
         return int(rows[0][0]) if rows else None
 
     def _check_version(self, con: duckdb.DuckDBPyConnection) -> None:
