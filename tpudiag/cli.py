@@ -10,7 +10,6 @@ from typing import Any
 
 import tpudiag
 from tpudiag.errors import TpudiagError, UsageError
-from tpudiag.store import resolve_db_path
 
 CAPTURE_VALUE_OPTIONS = {"--db", "--name", "--collect", "--numerics", "--budget", "--ops", "--modules"}
 CAPTURE_FLAG_OPTIONS = {"--with-stack", "-h", "--help"}
@@ -67,6 +66,7 @@ def _split_capture_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
     from tpudiag.capture import CaptureOptions, run_capture_cli
     from tpudiag.runner import Target
+    from tpudiag.store import resolve_db_path
 
     if not rest:
         raise UsageError("capture needs a script or -m module (tpudiag capture [options] script.py [args...])")
@@ -97,7 +97,7 @@ def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
 def cmd_runs(args: argparse.Namespace, rest: list[str]) -> int:
     from tpudiag.report import run_summary
     from tpudiag.report import table as text_table
-    from tpudiag.store import Store, queries
+    from tpudiag.store import Store, queries, resolve_db_path
 
     store = Store(resolve_db_path(args.db))
     store.recover_stale_runs()
@@ -126,7 +126,7 @@ def cmd_runs(args: argparse.Namespace, rest: list[str]) -> int:
 
 def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
     from tpudiag import report
-    from tpudiag.store import Store, queries
+    from tpudiag.store import Store, queries, resolve_db_path
 
     store = Store(resolve_db_path(args.db))
     store.recover_stale_runs()
