@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tpudiag.store import Store, resolve_db_path
-
 EPILOG = """accepted inputs (detected from content):
   *.xplane.pb            XSpace from TorchTPU, JAX or an XProf capture (one file per host)
   *.json, *.json.gz      Kineto / Chrome trace from torch.profiler (a folder of per-rank files works too)
@@ -39,6 +37,7 @@ def register(sub: Any) -> None:
 def cmd_import(args: argparse.Namespace, rest: list[str]) -> int:
     _skip_pandas()
     from tpudiag.importer import import_paths
+    from tpudiag.store import Store, resolve_db_path
 
     store = Store(resolve_db_path(args.db))
     result = import_paths(store, [Path(p) for p in args.paths], name=args.name)
