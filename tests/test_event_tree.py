@@ -118,3 +118,8 @@ def test_fast_split_survives_cuts_inside_strings_and_nested_objects(tmp_path: Pa
             ]
             assert [json.loads(a) for a in cols.column("args").to_pylist()] == [e["args"] for e in xs]
             assert trace.metadata["deviceProperties"] == [{"id": 0}, {"id": 1}]
+            # the two-process read meets the same bad cuts (its worker cannot re-split) and falls back: same trace
+            monkeypatch.setattr(kineto, "PARALLEL_MIN_BYTES", 0)
+            both = kineto.load(path, parallel=True)
+            assert both.columns.to_pylist() == cols.to_pylist()
+            assert both.metadata == trace.metadata

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,40 @@ def test_load_streams_in_small_chunks_with_the_same_result(shared_fixtures: Path
     evs = [e for e in _events(path) if e.get("ph") == "X"]
     assert pieces.columns.column("name").to_pylist() == [e["name"] for e in evs]
     assert pieces.columns.column("dur_ns").to_pylist() == [round(e["dur"] * 1000) for e in evs]
+
+
+def test_two_process_read_equals_the_in_process_read(shared_fixtures: Path, monkeypatch: Any) -> None:
+    """Batches decoded by the forked worker are re-coded into the parent's dictionaries and kept in file order."""
+    for name in ("sampled_rank-0.json.gz", "rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz"):
+        path = shared_fixtures / "kineto" / name
+        whole = kineto.load(path)
+        with monkeypatch.context() as m:
+            m.setattr(kineto, "PARALLEL_MIN_BYTES", 0)
+            m.setattr(kineto, "READ_CHUNK", 4096)  # many batches, so both processes decode some
+
+            def no_fallback(*args: Any) -> None:
+                raise AssertionError("the two-process read fell back to the in-process one")
+
+            m.setattr(kineto, "_read", no_fallback)
+            shared_work = kineto.load(path, parallel=True)
+        assert shared_work.columns.to_pylist() == whole.columns.to_pylist()
+        assert (shared_work.process_names, shared_work.thread_names) == (whole.process_names, whole.thread_names)
+        assert (shared_work.metadata, shared_work.rank) == (whole.metadata, whole.rank)
+
+
+def test_a_failing_or_dying_decode_worker_is_reported() -> None:
+    from tpudiag.traces.decodepool import DecodeWorker, WorkerError
+
+    with DecodeWorker(lambda b: int(b)) as worker:
+        worker.submit(b"41")
+        assert worker.result() == 41
+        worker.submit(b"not a number")
+        with pytest.raises(WorkerError, match="ValueError"):
+            worker.result()
+    with DecodeWorker(lambda b: os._exit(3)) as worker:
+        worker.submit(b"x")
+        with pytest.raises(WorkerError, match="died"):
+            worker.result()
 
 
 def test_import_command_never_loads_pandas(tmp_path: Path) -> None:

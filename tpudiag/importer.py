@@ -156,7 +156,7 @@ def _import_one(
     if kind == detect.KINETO:
         from tpudiag.traces import kineto
 
-        trace = kineto.load(path, progress=progress)
+        trace = kineto.load(path, progress=progress, parallel=True)
         if len(trace) == 0:
             raise ImportFormatError(f"{path}: the trace holds no complete events")
         rank = trace.rank if trace.rank is not None else index
