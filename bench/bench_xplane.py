@@ -90,7 +90,7 @@ def large_xspace(path: Path, events: int) -> int:
     """Write the large synthetic TPU XSpace; returns its event count."""
     sys.path.insert(0, str(BENCH_DIR.parent / "sample_traces"))
     try:
-        import generate
+        import generate  # type: ignore[import-not-found]
     finally:
         sys.path.pop(0)
     space = generate.tpu_large_xspace(events)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import duckdb
@@ -96,18 +97,35 @@ _EVENTS_DB = (
 )
 
 
+def _large_tpu_xspace(path: Path, events: int) -> None:
+    sys.path.insert(0, str(SAMPLES))
+    try:
+        import generate  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    path.write_bytes(generate.tpu_large_xspace(events).SerializeToString())
+
+
 @pytest.mark.parametrize(
-    "name", ["xla/jax_cpu_train_step.xplane.pb", "torch_tpu/host_only_cpu_activity.xplane.pb", "tpu_device"]
+    "name",
+    ["xla/jax_cpu_train_step.xplane.pb", "torch_tpu/host_only_cpu_activity.xplane.pb", "tpu_device", "tpu_large"],
 )
 def test_in_process_reader_matches_xprof_events_db(shared_fixtures: Path, tmp_path: Path, name: str) -> None:
-    """Every column tpudiag reads equals xprof's own Events DB conversion (run in a child: it crashes on bad input)."""
+    """Every column tpudiag reads equals xprof's own Events DB conversion (run in a child: it crashes on bad input).
+
+    ``tpu_large``: the benchmark's synthetic TPU XSpace (4 TPU planes, per-event ``group_id`` stats sharing op
+    metadata), small enough to stay quick.
+    """
     pytest.importorskip("xprof")
     import subprocess
-    import sys
 
     import pyarrow.parquet as pq
 
-    path = SAMPLES / "tpu_device.xplane.pb" if name == "tpu_device" else shared_fixtures / name
+    if name == "tpu_large":
+        path = tmp_path / "tpu_large.xplane.pb"
+        _large_tpu_xspace(path, 12_000)
+    else:
+        path = SAMPLES / "tpu_device.xplane.pb" if name == "tpu_device" else shared_fixtures / name
     out = tmp_path / "events.parquet"
     subprocess.run([sys.executable, "-c", _EVENTS_DB, str(path), str(out)], check=True, capture_output=True)
     ref = pq.read_table(out).to_pylist()
@@ -123,3 +141,36 @@ def test_in_process_reader_matches_xprof_events_db(shared_fixtures: Path, tmp_pa
                 assert abs(a[col] - b[col]) < 512, (col, a, b)
             else:
                 assert a[col] == b[col], (col, a, b)
+
+
+def test_large_tpu_xspace_device_time_per_framework_op(tmp_path: Path) -> None:
+    """Column-wise decoding at scale: per framework op, calls and device time equal a plain protobuf walk."""
+    path = tmp_path / "tpu_large.xplane.pb"
+    _large_tpu_xspace(path, 40_000)
+    space = xp.parse_xspace(path.read_bytes())
+    want: dict[str, list[int]] = {}
+    for plane in space.planes:
+        names = {k: m.name for k, m in plane.stat_metadata.items()}
+        for line in plane.lines:
+            if line.name != "XLA Ops":
+                continue
+            for ev in line.events:
+                meta = plane.event_metadata[ev.metadata_id]
+                tf_op = next(s.str_value for s in meta.stats if names[s.metadata_id] == "tf_op")
+                entry = want.setdefault(tf_op.rsplit(":", 1)[0], [0, 0])
+                entry[0] += 1
+                entry[1] += ev.duration_ps // 1000
+    events = xplane.load(path, "r").events
+    got: dict[str, list[int]] = {}
+    for op, dur, dev in zip(
+        events.column("framework_op").to_pylist(),
+        events.column("dur_ns").to_pylist(),
+        events.column("on_device").to_pylist(),
+        strict=True,
+    ):
+        if dev and op:
+            entry = got.setdefault(op, [0, 0])
+            entry[0] += 1
+            entry[1] += dur
+    assert got == want
+    assert events.num_rows == _xspace_events(path)
