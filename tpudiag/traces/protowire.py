@@ -45,8 +45,8 @@ class Fields:
     def scalar(self, number: int, count: int, dtype: Any = np.int64) -> Array:
         """A non-repeated scalar field per message (0 where absent; the last occurrence wins, as in protobuf)."""
         out = np.zeros(count, dtype=np.uint64)
-        f = self.select(number)
-        out[f.owner] = f.value  # fancy assignment keeps the last of repeated indices
+        keep = self.number == number
+        out[self.owner[keep]] = self.value[keep]  # fancy assignment keeps the last of repeated indices
         return out.view(np.int64).astype(dtype, copy=False) if dtype is not np.uint64 else out
 
 
@@ -58,20 +58,20 @@ def padded(data: bytes) -> Array:
 
 
 def _varint(buf: Array, pos: Array) -> tuple[Array, Array]:
-    """Varints at ``pos`` -> (values as uint64, position after each)."""
-    value = np.zeros(len(pos), dtype=np.uint64)
-    size = np.zeros(len(pos), dtype=np.int64)
-    going = np.ones(len(pos), dtype=bool)
-    for i in range(10):
-        idx = np.flatnonzero(going)
-        if not len(idx):
-            return value, pos + size
-        b = buf[pos[idx] + i].astype(np.uint64)
-        value[idx] |= (b & np.uint64(0x7F)) << np.uint64(7 * i)
-        size[idx] += 1
-        going[idx] = (b & np.uint64(0x80)) != 0
-    if going.any():
-        raise DecodeError("varint longer than 10 bytes")
+    """Varints at ``pos`` -> (values as uint64, position after each); later bytes only for the varints that go on."""
+    b = buf[pos]
+    value = (b & 0x7F).astype(np.uint64)
+    size = np.ones(len(pos), dtype=np.int64)
+    more = np.flatnonzero(b & 0x80)
+    shift = 7
+    while len(more):
+        if shift > 63:
+            raise DecodeError("varint longer than 10 bytes")
+        b = buf[pos[more] + size[more]]
+        value[more] |= (b & 0x7F).astype(np.uint64) << np.uint64(shift)
+        size[more] += 1
+        more = more[(b & 0x80) != 0]
+        shift += 7
     return value, pos + size
 
 
