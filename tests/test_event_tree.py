@@ -51,6 +51,10 @@ def test_nesting_equals_the_stack_walk(evs: list[tuple[int, int, int]]) -> None:
     child = [sum(d[j] for j in range(len(s)) if want_parent[j] == i) for i in range(len(s))]
     assert self_ns.tolist() == [max(d[i] - child[i], 0) for i in range(len(s))]
     assert (codes, s, d) == before  # inputs untouched
+    # times far apart (epoch-sized spans on many threads) take the path that ranks the ends instead of offsetting
+    scale = 1 << 55  # ends up to 80 * 2**55: three threads of such spans do not fit 62 bits
+    far = nest_arrays(np.array(codes, np.int64), np.array(s, np.int64) * scale, np.array(d, np.int64) * scale)
+    assert far[0].tolist() == want_parent and far[1].tolist() == want_depth
 
 
 def test_empty_in_empty_out() -> None:

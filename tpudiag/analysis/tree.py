@@ -60,10 +60,15 @@ def nest_arrays(codes: IntArray, start: IntArray, dur: IntArray) -> tuple[IntArr
     # In nesting order the exact stack walk pops every open event that ends before the new one ends, so an
     # event's parent is the last earlier event on its thread that ends at or after it: a "previous greater or
     # equal" search, done on end ranks offset per thread so that no search crosses into another thread.
-    _, end_rank = np.unique((start + dur)[order], return_inverse=True)
+    end = (start + dur)[order]
     sorted_codes = np.asarray(codes, dtype=np.int64)[order]
     thread_rank = np.concatenate(([0], np.cumsum(sorted_codes[1:] != sorted_codes[:-1])))
-    key = thread_rank * (n + 1) + end_rank.astype(np.int64)
+    low, span = int(end.min()), int(end.max()) - int(end.min())
+    if (int(thread_rank[-1]) + 1) * (span + 1) < 1 << 62:  # ends offset per thread fit: no sort needed
+        key = thread_rank * (span + 1) + (end - low)
+    else:  # ranks of the ends instead (a sort)
+        _, end_rank = np.unique(end, return_inverse=True)
+        key = thread_rank * (n + 1) + end_rank.astype(np.int64)
     pos = _previous_greater_or_equal(key)
     parent = np.full(n, -1, dtype=np.int64)
     parent[order] = np.where(pos >= 0, order[np.maximum(pos, 0)], -1)

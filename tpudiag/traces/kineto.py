@@ -672,7 +672,7 @@ def to_tables(
         "process": decode(proc_codes, proc_label),
         "thread": decode(np.searchsorted(pair_codes, thread_key), thread_label),
         "name": names,
-        "category": _mark_tool_overhead(cols.column("category"), names, parent, levels),
+        "category": _mark_tool_overhead(cols.column("category"), name_codes, distinct_names, parent, levels),
         "start_ns": start,
         "dur_ns": dur,
         "self_ns": self_ns,
@@ -765,18 +765,18 @@ DISPATCH_WRAPPER = "PythonDispatchMode"
 DISPATCH_CATEGORY = "python_dispatch"
 
 
-def _mark_tool_overhead(category: pa.Array, names: Any, parent: np.ndarray, levels: list[np.ndarray]) -> pa.Array:
+def _mark_tool_overhead(
+    category: pa.Array, name_codes: np.ndarray, names: list[str], parent: np.ndarray, levels: list[np.ndarray]
+) -> pa.Array:
     """Events inside a ``tpudiag::`` range (the numerics checker's own work) get category ``tpudiag_overhead``.
 
     They stay in the trace, so the time tpudiag spent is visible, but they are never ranked as the script's ops.
+    Names are tested once per distinct value (``names``; ``name_codes`` index it).
     """
-    name_arr = names if isinstance(names, (pa.Array, pa.ChunkedArray)) else pa.array(names, pa.string())
-    if pa.types.is_dictionary(name_arr.type):
-        name_arr = name_arr.cast(pa.string())
-    mark = np.asarray(pc.starts_with(name_arr, TOOL_RANGE_PREFIX).to_numpy(zero_copy_only=False), dtype=bool)
+    mark = _in_names(name_codes, names, lambda v: v.startswith(TOOL_RANGE_PREFIX))
     # A Python dispatch mode's own wrapper event: its self time is the mode's Python work, not an op of the script
     # (the op it dispatched is its child and keeps its category).
-    wrapper = np.asarray(pc.equal(name_arr, DISPATCH_WRAPPER).to_numpy(zero_copy_only=False), dtype=bool)
+    wrapper = _in_names(name_codes, names, lambda v: v == DISPATCH_WRAPPER)
     if not mark.any() and not wrapper.any():
         return category
     for at in levels[1:]:
@@ -789,3 +789,8 @@ def _mark_tool_overhead(category: pa.Array, names: Any, parent: np.ndarray, leve
         category = category.cast(pa.string())
     category = pc.if_else(pa.array(wrapper), pa.scalar(DISPATCH_CATEGORY), category)
     return pc.if_else(pa.array(mark), pa.scalar(TOOL_CATEGORY), category)
+
+
+def _in_names(codes: np.ndarray, names: list[str], test: Callable[[str], bool]) -> np.ndarray:
+    hit = np.fromiter(map(test, names), dtype=bool, count=len(names))
+    return hit[codes] if len(codes) else np.zeros(0, dtype=bool)
