@@ -21,7 +21,7 @@ import pyarrow as pa
 from google.protobuf.message import DecodeError
 
 from tpudiag.analysis.steps import StepSpan, detect_steps, step_array
-from tpudiag.analysis.tree import decode, nest_arrays
+from tpudiag.analysis.tree import nest_arrays
 from tpudiag.errors import ImportFormatError
 from tpudiag.model import TraceEvent, arrow_schema
 from tpudiag.traces import xplane_events
@@ -116,14 +116,11 @@ def to_tables(
     on_device = on_device_k[kind]
     name_column = _strings(name, kind)
     steps = _steps(ev, line_cat, kernel, start, dur, parent, name_column)
-    hlo_category = [
-        (m.group(1) if (m := _HLO_CATEGORY.search(a or "")) else None) if dev else None
-        for dev, a in zip(on_device_g.tolist(), ev.trace_args, strict=True)
-    ]
+    hlo_category = _hlo_category(ev, on_device_g)
     columns: dict[str, pa.Array] = {
-        "run_id": _strings([run_id], np.zeros(n, dtype=np.int64)),
+        "run_id": _strings([run_id], np.zeros(n, dtype=np.int32)),
         "event_id": pa.array(np.arange(first_event_id, first_event_id + n, dtype=np.int64)),
-        "source": _strings(["xplane"], np.zeros(n, dtype=np.int64)),
+        "source": _strings(["xplane"], np.zeros(n, dtype=np.int32)),
         "process": _strings(process, kind),
         "thread": _strings(thread, kind),
         "name": name_column,
@@ -156,10 +153,28 @@ def to_tables(
 
 
 def _strings(values: Sequence[str | None], group: np.ndarray[Any, Any]) -> pa.Array:
-    """Per-group strings expanded to one per event, as a dictionary array."""
+    """Per-group (or per-kind) strings expanded to one per event, as a dictionary array (null for None)."""
     index: dict[str, int] = {}
-    codes = np.array([-1 if v is None else index.setdefault(v, len(index)) for v in values], dtype=np.int64)
-    return decode(codes[group] if len(codes) else codes, list(index))
+    codes = np.array([-1 if v is None else index.setdefault(v, len(index)) for v in values], dtype=np.int32)
+    per_event = codes[group] if len(codes) else codes
+    missing = codes < 0
+    indices = pa.array(per_event, mask=missing[group]) if missing.any() else pa.array(per_event)
+    return pa.DictionaryArray.from_arrays(indices, pa.array(list(index) or [""], pa.string()))
+
+
+def _hlo_category(ev: xplane_events.EventColumns, on_device: np.ndarray[Any, Any]) -> list[str | None]:
+    """``hlo_category`` of each device group: the first in its trace_args (its kind's pairs, then its own)."""
+    kinds = [_first_hlo_category(a) for a in ev.kinds["trace_args"]]
+    owns = [_first_hlo_category(a) for a in ev.own_pairs]
+    return [
+        None if not dev else kinds[k] if kinds[k] is not None or o < 0 else owns[o]
+        for dev, k, o in zip(on_device.tolist(), ev.group_kind.tolist(), ev.group_own.tolist(), strict=True)
+    ]
+
+
+def _first_hlo_category(trace_args: str | None) -> str | None:
+    m = _HLO_CATEGORY.search(trace_args or "")
+    return m.group(1) if m else None
 
 
 def _numbers(values: list[Any], group: np.ndarray[Any, Any], typ: pa.DataType) -> pa.Array:
