@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -71,6 +72,8 @@ class DecodeWorker:
 
 
 def _serve(fn: Callable[[bytes], Any], conn: Connection, parent_end: Connection) -> None:
+    # Ctrl-C reaches the whole process group: the parent handles it and closes the pipe, which ends this loop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent_end.close()
     while True:
         try:
