@@ -24,7 +24,8 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 @dataclass(frozen=True)
 class Fields:
-    """Every field of every message, in wire order per message: owner (message index), number, value.
+    """Every field of every message: owner (message index), number, value, in decoding rounds (the k-th field
+    of every message, then the (k+1)-th...); ``select`` returns one field number in wire order per message.
 
     ``value`` is the varint or fixed-width value (uint64; reinterpret for signed or double fields); for
     length-delimited fields ``start``/``end`` are the payload's byte range in the buffer; ``at`` is where the
@@ -39,14 +40,16 @@ class Fields:
     at: Array
 
     def select(self, number: int) -> Fields:
-        keep = self.number == number
+        """The fields numbered ``number``, sorted by owner (rounds are in wire order, so a stable sort keeps it)."""
+        keep = np.flatnonzero(self.number == number)
+        keep = keep[np.argsort(self.owner[keep], kind="stable")]
         return Fields(*(col[keep] for col in (self.owner, self.number, self.value, self.start, self.end, self.at)))
 
     def scalar(self, number: int, count: int, dtype: Any = np.int64) -> Array:
         """A non-repeated scalar field per message (0 where absent; the last occurrence wins, as in protobuf)."""
         out = np.zeros(count, dtype=np.uint64)
         keep = self.number == number
-        out[self.owner[keep]] = self.value[keep]  # fancy assignment keeps the last of repeated indices
+        out[self.owner[keep]] = self.value[keep]  # in round order: the last assignment (last occurrence) wins
         return out.view(np.int64).astype(dtype, copy=False) if dtype is not np.uint64 else out
 
 
@@ -120,9 +123,7 @@ def fields(buf: Array, starts: Array, ends: Array) -> Fields:
     if not parts:
         empty = np.zeros(0, dtype=np.int64)
         return Fields(empty, empty, empty.astype(np.uint64), empty, empty, empty)
-    columns = [np.concatenate(col) for col in zip(*parts, strict=True)]
-    order = np.argsort(columns[0], kind="stable")  # rounds are in wire order, so a stable sort keeps it per message
-    return Fields(*(col[order] for col in columns))
+    return Fields(*(np.concatenate(col) for col in zip(*parts, strict=True)))
 
 
 def distinct_ranges(buf: Array, lo: Array, hi: Array) -> tuple[Array, list[bytes]]:
