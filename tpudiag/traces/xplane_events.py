@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +209,10 @@ class _Line:
     line: Any
     group: Array  # per event: index into keys
     keys: list[tuple[int, bytes]]  # per group: (metadata id, serialized own stats)
+    mids: list[int]  # distinct metadata ids
+    raws: list[bytes]  # distinct serialized own stats (raws[0] == b"": none)
+    group_mid: Array  # per group: index into mids
+    group_raw: Array  # per group: index into raws
     start_ns: Array
     end_ns: Array
     dur_ps: Array
@@ -234,10 +239,15 @@ def _decode_line(line: Any) -> _Line:
     mids, mid_code = protowire.dense_codes(metadata_id)
     combined, group = protowire.dense_codes(mid_code * len(raw) + own)
     base_ns = int(line.timestamp_ns)
+    mid_list = mids.tolist()
     return _Line(
         line=line,
         group=group.ravel().astype(np.int64),
-        keys=[(int(mids[k // len(raw)]), raw[k % len(raw)]) for k in combined.tolist()],
+        keys=[(mid_list[k // len(raw)], raw[k % len(raw)]) for k in combined.tolist()],
+        mids=mid_list,
+        raws=raw,
+        group_mid=combined // len(raw),
+        group_raw=combined % len(raw),
         start_ns=base_ns + offset_ps // 1000,
         end_ns=base_ns + (offset_ps + dur_ps) // 1000,
         dur_ps=dur_ps,
@@ -304,32 +314,15 @@ def _plane_rows(plane: Any, acc: _Columns) -> None:
             "thread_name": None if on_device else (line.name or line.display_name),
             "category": category,
         }
-        by_metadata: dict[int, tuple[int, str | None, dict[str, str | None]]] = {}
         full_row = functools.partial(
             _full_row, xla_op=xla_op, on_device=on_device, modules=modules, columns=line_columns, prefix=prefix
         )
+        group_kind, group_own, group_step = _line_groups(xp, ln, acc, full_row, step_of_group if xla_op else None)
         first_group = len(acc.group_kind)
-        group_step = []
-        for mid, raw in ln.keys:
-            base = by_metadata.get(mid)
-            if base is None:
-                base = by_metadata[mid] = acc.add_kind(*full_row(*xp.stats((mid, b""))))
-            kind, _, d = base
-            own = xp.pairs(raw, acc) if raw else None
-            if own is not None and not ("_r" in d and "step_num" in d):
-                # Own stats only add trace_args pairs (e.g. a per-step group_id): same kind as the metadata's.
-                code, own_d = own
-                d = {**d, **own_d} if "group_id" in own_d else d
-            elif raw:
-                code = -1
-                kind, _, d = acc.add_kind(*full_row(*xp.stats((mid, raw))))
-            else:
-                code = -1
-            acc.group_kind.append(kind)
-            acc.group_own.append(code)
-            group_step.append(acc.step_code(step_of_group.get(d.get("group_id"))) if xla_op else -1)
+        acc.group_kind.extend(group_kind.tolist())
+        acc.group_own.extend(group_own.tolist())
         if on_device:
-            step = np.array(group_step, dtype=np.int64)[ln.group] if len(ln.group) else ln.group
+            step = group_step[ln.group] if len(ln.group) else ln.group
         else:
             step = _host_steps(xp, ln, acc)
             for i in _flow_events(xp, ln):
@@ -345,6 +338,49 @@ def _plane_rows(plane: Any, acc: _Columns) -> None:
         acc.parts["step"].append(step)
     for step, i, key in consumers:  # flow consumers (thread-pool regions) join their producer's step
         step[i] = producers.get(key, -1)
+
+
+def _line_groups(
+    xp: _Plane,
+    ln: _Line,
+    acc: _Columns,
+    full_row: Callable[[str, Stats], tuple[dict[str, Any], dict[str, str | None]]],
+    step_of_group: dict[str | None, str] | None,
+) -> tuple[Array, Array, Array]:
+    """Kind, own-pairs index and step code of each group of a line (step codes only for ``XLA Ops`` lines).
+
+    Each metadata id becomes a kind; a group whose own stats only add trace_args pairs (and whose metadata is no
+    host step annotation) shares it, computed column-wise from per-metadata and per-own-stats values; any other
+    group with own stats gets a kind of its own.
+    """
+    by_mid = [acc.add_kind(*full_row(*xp.stats((mid, b"")))) for mid in ln.mids]
+    pairs = [xp.pairs(raw, acc) if raw else None for raw in ln.raws]
+    mid_kind = np.array([kind for kind, _, _ in by_mid], dtype=np.int64)
+    mid_root = np.array([("_r" in d and "step_num" in d) for _, _, d in by_mid], dtype=bool)
+    raw_code = np.array([-1 if p is None else p[0] for p in pairs], dtype=np.int64)
+    raw_shared = np.array([p is not None for p in pairs], dtype=bool)
+    raw_shared[0] = True  # no own stats
+    gm, gr = ln.group_mid, ln.group_raw
+    shared = raw_shared[gr] & ((gr == 0) | ~mid_root[gm])
+    group_kind = mid_kind[gm] if len(gm) else gm.copy()
+    group_own = raw_code[gr] if len(gr) else gr.copy()
+    group_step = np.full(len(gm), -1, dtype=np.int64)
+    if step_of_group is not None:
+        mid_step = np.array([acc.step_code(step_of_group.get(d.get("group_id"))) for _, _, d in by_mid], np.int64)
+        raw_step = np.array(
+            [
+                -2 if p is None or "group_id" not in p[1] else acc.step_code(step_of_group.get(p[1]["group_id"]))
+                for p in pairs
+            ],
+            dtype=np.int64,
+        )
+        group_step = np.where(raw_step[gr] == -2, mid_step[gm], raw_step[gr]) if len(gm) else group_step
+    for i in np.flatnonzero(~shared).tolist():
+        kind, _, d = acc.add_kind(*full_row(*xp.stats(ln.keys[i])))
+        group_kind[i], group_own[i] = kind, -1
+        if step_of_group is not None:
+            group_step[i] = acc.step_code(step_of_group.get(d.get("group_id")))
+    return group_kind, group_own, group_step
 
 
 def _full_row(
