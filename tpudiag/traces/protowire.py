@@ -146,7 +146,8 @@ def distinct_ranges(buf: Array, lo: Array, hi: Array) -> tuple[Array, list[bytes
             void = np.ascontiguousarray(rows).view(np.dtype((np.void, size))).ravel()
             _, first, inverse = np.unique(void, return_index=True, return_inverse=True)
         codes[sel] = len(values) + inverse.ravel()
-        values.extend(rows[first].tobytes()[k * size : (k + 1) * size] for k in range(len(first)))
+        blob = rows[first].tobytes()
+        values.extend(blob[k * size : (k + 1) * size] for k in range(len(first)))
     return codes, values
 
 

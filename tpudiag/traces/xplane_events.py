@@ -268,6 +268,7 @@ class _Plane:
         }
         self._own: dict[bytes, Stats] = {b"": []}
         self._pairs: dict[bytes, tuple[int, dict[str, str | None]] | None] = {}
+        self._stats: dict[tuple[int, bytes], tuple[str, Stats]] = {}
 
     def own(self, raw: bytes) -> Stats:
         stats = self._own.get(raw)
@@ -287,9 +288,12 @@ class _Plane:
         return self._pairs[raw]
 
     def stats(self, key: tuple[int, bytes]) -> tuple[str, Stats]:
-        """(name, metadata stats + own stats) of a group."""
-        name, md_stats = self.meta.get(key[0], ("", []))
-        return name, md_stats + self.own(key[1]) if key[1] else md_stats
+        """(name, metadata stats + own stats) of a group (computed once: steps, flows and rows all ask)."""
+        found = self._stats.get(key)
+        if found is None:
+            name, md_stats = self.meta.get(key[0], ("", []))
+            found = self._stats[key] = (name, md_stats + self.own(key[1]) if key[1] else md_stats)
+        return found
 
 
 def _plane_rows(plane: Any, acc: _Columns) -> None:
