@@ -219,10 +219,11 @@ class _Line:
 
 
 def _decode_line(line: Any) -> _Line:
-    events = line.events
+    events = list(line.events)  # each access to the protobuf container makes new bytes objects: once only
     n = len(events)
     lengths = np.fromiter(map(len, events), dtype=np.int64, count=n)
     buf = protowire.padded(b"".join(events))
+    del events
     ends = np.cumsum(lengths)
     fields = protowire.fields(buf, ends - lengths, ends)
     metadata_id = fields.scalar(1, n)
