@@ -12,9 +12,10 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Union
 
-import pyarrow as pa
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 RUN_STATUSES = ("running", "ok", "failed", "interrupted")
 
@@ -196,22 +197,26 @@ RECORD_TYPES: tuple[type[Any], ...] = (Run, TraceEvent, Step, OpRecord, OpDiff, 
 BULK_TABLES: dict[str, type[Any]] = {c.TABLE: c for c in RECORD_TYPES if c is not Run}
 
 
-def _arrow_type(tp: Any) -> tuple[pa.DataType, bool]:
-    """Map a dataclass annotation to (arrow type, nullable)."""
+def _column_kind(tp: Any) -> str:
+    """A dataclass annotation -> "int" | "float" | "bool" | "str" (lists and dicts are stored as JSON text)."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _arrow_type(inner[0])[0], True
-    if tp is int:
-        return pa.int64(), False
-    if tp is float:
-        return pa.float64(), False
-    if tp is bool:
-        return pa.bool_(), False
-    if tp is str:
-        return pa.string(), False
-    # lists and dicts are stored as JSON text: flexible and readable from any SQL engine.
-    return pa.string(), True
+        return _column_kind(inner[0])
+    return {int: "int", float: "float", bool: "bool", str: "str"}.get(tp, "str")
+
+
+_KINDS: dict[type[Any], list[tuple[str, str]]] = {}
+
+
+def column_kinds(cls: type[Any]) -> list[tuple[str, str]]:
+    """(column name, kind) of a record type, in column order; the one mapping Arrow schemas and DDL derive from."""
+    kinds = _KINDS.get(cls)
+    if kinds is None:
+        hints = typing.get_type_hints(cls)
+        kinds = [(f.name, _column_kind(hints[f.name])) for f in dataclasses.fields(cls)]
+        _KINDS[cls] = kinds
+    return kinds
 
 
 _SCHEMAS: dict[type[Any], pa.Schema] = {}
@@ -219,10 +224,12 @@ _SCHEMAS: dict[type[Any], pa.Schema] = {}
 
 def arrow_schema(cls: type[Any]) -> pa.Schema:
     """The Arrow schema of a record type (cached: it is asked for on every spool write)."""
+    import pyarrow as pa  # not at module level: opening a store or printing help never needs Arrow
+
     schema = _SCHEMAS.get(cls)
     if schema is None:
-        hints = typing.get_type_hints(cls)
-        schema = pa.schema([pa.field(f.name, _arrow_type(hints[f.name])[0]) for f in dataclasses.fields(cls)])
+        types_ = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
+        schema = pa.schema([pa.field(name, types_[kind]) for name, kind in column_kinds(cls)])
         _SCHEMAS[cls] = schema
     return schema
 
@@ -238,4 +245,6 @@ def records_to_arrow(cls: type[Any], records: typing.Iterable[Any]) -> pa.Table:
     for r in records:
         for n in names:
             cols[n].append(getattr(r, n))
+    import pyarrow as pa
+
     return pa.table(cols, schema=arrow_schema(cls))

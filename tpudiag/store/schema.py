@@ -9,22 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import pyarrow as pa
-
-from tpudiag.model import BULK_TABLES, Run, arrow_schema
+from tpudiag.model import BULK_TABLES, Run, column_kinds
 
 SCHEMA_VERSION = 1
 
-_DUCK_TYPES = {
-    pa.int64(): "BIGINT",
-    pa.float64(): "DOUBLE",
-    pa.bool_(): "BOOLEAN",
-    pa.string(): "VARCHAR",
-}
+_DUCK_TYPES = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "str": "VARCHAR"}
 
 
 def _create_table(name: str, cls: type[Any], primary_key: str | None = None) -> str:
-    cols = [f'"{f.name}" {_DUCK_TYPES[f.type]}' for f in arrow_schema(cls)]
+    cols = [f'"{name}" {_DUCK_TYPES[kind]}' for name, kind in column_kinds(cls)]
     if primary_key:
         cols.append(f"PRIMARY KEY ({primary_key})")
     return f"CREATE TABLE IF NOT EXISTS {name} (" + ", ".join(cols) + ")"
