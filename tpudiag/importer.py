@@ -182,15 +182,7 @@ def _import_one(
         shutil.copyfile(path, kept)  # beside the run: exporters hand the original to XProf
         result.events += xt.events.num_rows
         progress(result.events)
-        devices = {
-            p.split(":", 1)[-1]
-            for p, d in zip(
-                xt.events.column("process").to_pylist(),
-                xt.events.column("on_device").to_pylist(),
-                strict=True,
-            )
-            if d
-        }
+        devices = set(xt.devices)
         if any("TPU" in d for d in devices):
             result.device_kind, result.device_name = "tpu", sorted(devices)[0]
         elif devices and result.device_kind == "cpu":

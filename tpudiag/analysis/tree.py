@@ -88,7 +88,10 @@ def _nesting_order(codes: IntArray, start: IntArray, dur: IntArray) -> IntArray:
     s = start[order]
     tie = np.flatnonzero(s[1:] == s[:-1])
     if len(tie):
-        at = np.unique(np.concatenate((tie, tie + 1)))  # positions of every event that shares its start
+        shared = np.zeros(len(s), dtype=bool)
+        shared[tie] = True
+        shared[tie + 1] = True
+        at = np.flatnonzero(shared)  # positions of every event that shares its start, ascending
         tied = order[at]
         order[at] = tied[np.lexsort((tied, -dur[tied], start[tied]))]
     c = codes[order]
