@@ -15,6 +15,7 @@ import pyarrow as pa
 from tpudiag.model import BULK_TABLES, arrow_schema
 
 _names = itertools.count()
+SINGLE_THREAD_STRING_BYTES = 32  # plain (not dictionary-coded) string bytes per row above which one thread inserts
 
 
 def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> int:
@@ -26,14 +27,18 @@ def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> 
     data = data.select(arrow_schema(BULK_TABLES[table]).names).cast(_target(data.schema, table))
     view = f"tpudiag_bulk_{next(_names)}"
     con.register(view, data)
-    # One DuckDB thread: the order-preserving insert from Arrow gained no wall time from a second thread here but
-    # cost ~0.7 CPU-s more per million trace events (2 cores; same rows, same order).
+    # DuckDB's parallel insert halves the wall time of numeric and dictionary-coded columns (1 M XPlane events:
+    # 0.8 s vs 1.6 s on 2 cores) but gains nothing on long unique strings and costs more CPU (1 M Kineto events
+    # with ~84 B of raw ``args`` JSON per row: 2.2 s either way, +0.6 CPU-s): those go in on one thread.
     threads = con.execute("SELECT current_setting('threads')").fetchall()[0][0]
-    con.execute("SET threads = 1")
+    single = _plain_string_bytes(data) > SINGLE_THREAD_STRING_BYTES * data.num_rows
+    if single:
+        con.execute("SET threads = 1")
     try:
         con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM {view}")
     finally:
-        con.execute(f"SET threads = {int(threads)}")
+        if single:
+            con.execute(f"SET threads = {int(threads)}")
         con.unregister(view)
     rows: int = data.num_rows
     return rows
@@ -47,3 +52,7 @@ def _target(have: pa.Schema, table: str) -> pa.Schema:
         keep = pa.types.is_dictionary(got) and got.value_type == f.type
         fields.append(pa.field(f.name, got, f.nullable) if keep else f)
     return pa.schema(fields)
+
+
+def _plain_string_bytes(data: pa.Table) -> int:
+    return sum(c.nbytes for c, f in zip(data.columns, data.schema, strict=True) if pa.types.is_string(f.type))
