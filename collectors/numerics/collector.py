@@ -388,7 +388,11 @@ class NumericsCollector:
                 cost = max(measured, spent_in_step)
             else:
                 cost = spent_in_step
-                st.unmeasured.append((took, spent_in_step))
+                if st.step > 0:
+                    # The first step's wall time holds the script's own warm-up (lazy initialisation, optimizer
+                    # state, allocator growth): compared with a warm plain step it would be charged to the checker.
+                    # Its cost is what the mode measured, plus the calibrated entry cost per op.
+                    st.unmeasured.append((took, spent_in_step))
             # What watching costs by itself (dispatch, hooks), plus one typical check: checks are then admitted one
             # by one inside the step as the allowance permits.
             st.watch_cost_s = max(cost - checks_in_step, 0.0) + budget.typical_check_s()
@@ -397,8 +401,7 @@ class NumericsCollector:
             st.watched += 1
         else:
             st.plain_s = took if st.plain_s is None else min(st.plain_s, took)
-            # Watched steps from before any plain step was timed: charge what they really cost (first-step
-            # warm-up included, which errs on the side of the budget).
+            # Watched steps (after the first) from before any plain step was timed: charge what they really cost.
             for took_w, spent_w in st.unmeasured:
                 budget.correction_s += max(took_w - st.plain_s - spent_w, 0.0)
             st.unmeasured.clear()
