@@ -198,11 +198,14 @@ def test_concurrent_captures_all_land_and_a_reader_works_meanwhile(tmp_path: Pat
     script = _write(
         tmp_path / "job.py",
         """
-        import sys, time
+        import os, sys, time
         print("ready", flush=True)
-        time.sleep(float(sys.argv[2]))
+        deadline = time.monotonic() + 120
+        while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:  # runs until the test has looked
+            time.sleep(0.05)
         """,
     )
+    stop = tmp_path / "stop"
     procs = [
         subprocess.Popen(
             [
@@ -217,7 +220,7 @@ def test_concurrent_captures_all_land_and_a_reader_works_meanwhile(tmp_path: Pat
                 *NO_COLLECTORS,
                 str(script),
                 str(i),
-                "2",
+                str(stop),
             ],
             cwd=tmp_path,
             stdout=subprocess.PIPE,
@@ -226,16 +229,19 @@ def test_concurrent_captures_all_land_and_a_reader_works_meanwhile(tmp_path: Pat
         )
         for i in range(4)
     ]
-    for p in procs:
-        assert p.stdout is not None
-        line = p.stdout.readline().strip()
-        assert line == "ready", p.stderr.read() if p.stderr and p.poll() is not None else "no output yet"
-    # While all four run, a reader sees them.
-    t0 = time.monotonic()
-    during = _runs(db, tmp_path)
-    assert time.monotonic() - t0 < 30
-    assert sorted(r["name"] for r in during) == ["job0", "job1", "job2", "job3"]
-    assert {r["status"] for r in during} == {"running"}
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            line = p.stdout.readline().strip()
+            assert line == "ready", p.stderr.read() if p.stderr and p.poll() is not None else "no output yet"
+        # While all four run, a reader sees them.
+        t0 = time.monotonic()
+        during = _runs(db, tmp_path)
+        assert time.monotonic() - t0 < 30
+        assert sorted(r["name"] for r in during) == ["job0", "job1", "job2", "job3"]
+        assert {r["status"] for r in during} == {"running"}
+    finally:
+        stop.touch()  # the jobs end once the test has looked (or failed)
     for p in procs:
         p.communicate(timeout=120)
         assert p.returncode == 0
