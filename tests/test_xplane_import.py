@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import duckdb
+import pyarrow as pa
 import pytest
 
 from tests.conftest import REPO, run_tpudiag
+from tpudiag.errors import ImportFormatError
 from tpudiag.store import Store, queries
 from tpudiag.traces import xplane
 from tpudiag.traces import xplane_proto as xp
@@ -174,3 +177,102 @@ def test_large_tpu_xspace_device_time_per_framework_op(tmp_path: Path) -> None:
             entry[1] += dur
     assert got == want
     assert events.num_rows == _xspace_events(path)
+
+
+def _large_tpu_space(events: int, cores: int) -> Any:
+    sys.path.insert(0, str(SAMPLES))
+    try:
+        import generate
+    finally:
+        sys.path.pop(0)
+    return generate.tpu_large_xspace(events, cores=cores)
+
+
+def _load_both_ways(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[xplane.XPlaneTables, xplane.XPlaneTables]:
+    """(in-process load, two-process load) of ``path``; fails if the two-process read fell back."""
+    here = xplane.load(path, "r", rank=2, first_event_id=5)
+    finished: list[bool] = []
+    real = xplane._read_parallel
+
+    def spied(*args: Any) -> Any:
+        out = real(*args)
+        finished.append(out[1] is not None)
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(xplane, "PARALLEL_MIN_BYTES", 0)
+        m.setattr(xplane, "_read_parallel", spied)
+        shared = xplane.load(path, "r", rank=2, first_event_id=5, parallel=True)
+    assert len(finished) == 1, "the two-process read fell back to the in-process one"
+    return here, shared
+
+
+def _assert_same(here: xplane.XPlaneTables, shared: xplane.XPlaneTables) -> None:
+    assert shared.events.column_names == here.events.column_names
+    for name in here.events.column_names:  # dictionaries may differ; values may not
+        a, b = here.events.column(name), shared.events.column(name)
+        if pa.types.is_dictionary(a.type):
+            a, b = a.cast(a.type.value_type), b.cast(b.type.value_type)
+        assert a.to_pylist() == b.to_pylist(), name
+    assert shared.steps == here.steps
+    assert shared.devices == here.devices
+
+
+@pytest.mark.parametrize("name", ["tpu_large", "tpu_new_steps", "jax_two_hosts", "tpu_device"])
+def test_two_process_load_equals_the_in_process_load(
+    shared_fixtures: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Planes read, nested and given args by the forked worker join the parent's in file order: same rows.
+
+    ``jax_two_hosts``: the jax fixture's host plane twice (the second renamed), so that host step annotations, flows
+    and step names come from both processes; ``tpu_new_steps``: the worker's planes name steps the parent's do not.
+    """
+    path = tmp_path / f"{name}.xplane.pb"
+    if name == "tpu_large":
+        _large_tpu_xspace(path, 20_000)
+    elif name == "tpu_new_steps":
+        space = _large_tpu_space(8_000, cores=2)
+        for meta in space.planes[2].event_metadata.values():
+            meta.name = str(int(meta.name) + 1000) if meta.name.isdigit() else meta.name
+        path.write_bytes(space.SerializeToString())
+    elif name == "jax_two_hosts":
+        space = xp.parse_xspace((shared_fixtures / "xla/jax_cpu_train_step.xplane.pb").read_bytes())
+        twin = space.planes.add()
+        twin.CopyFrom(next(p for p in space.planes if p.name == "/host:CPU"))
+        twin.name, twin.id = "/host:CPU1", twin.id + 1000
+        path.write_bytes(space.SerializeToString())
+    else:
+        path = SAMPLES / "tpu_device.xplane.pb"
+    here, shared = _load_both_ways(path, monkeypatch)
+    assert here.events.num_rows == _xspace_events(path)
+    _assert_same(here, shared)
+
+
+def test_two_process_load_with_one_device_on_both_sides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two planes of one device split between the processes: their threads are nested together, as in-process."""
+    space = _large_tpu_space(8_000, cores=2)
+    assert [p.name for p in space.planes] == ["/host:CPU", "/device:TPU:0", "/device:TPU:1"]
+    space.planes[2].name = "/device:TPU:0"
+    path = tmp_path / "same_device.xplane.pb"
+    path.write_bytes(space.SerializeToString())
+    here, shared = _load_both_ways(path, monkeypatch)
+    assert here.events.column("process").unique().to_pylist() and here.devices == ["TPU:0"]
+    _assert_same(here, shared)
+
+
+@pytest.mark.parametrize("bad_plane", [1, -1])
+def test_two_process_load_of_a_corrupt_plane_fails_as_in_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad_plane: int
+) -> None:
+    """A plane that does not decode, in the parent's part or the worker's: the same one-line error."""
+    raw = xp.parse_raw_xspace(_large_tpu_space(4_000, cores=4).SerializeToString())
+    raw.planes[bad_plane].lines[0].events.append(b"\x00\x01")  # field number 0: not protobuf
+    path = tmp_path / "bad.xplane.pb"
+    path.write_bytes(raw.SerializeToString())
+    with pytest.raises(ImportFormatError) as in_process:
+        xplane.load(path, "r")
+    monkeypatch.setattr(xplane, "PARALLEL_MIN_BYTES", 0)
+    with pytest.raises(ImportFormatError) as two_process:
+        xplane.load(path, "r", parallel=True)
+    assert str(two_process.value) == str(in_process.value)
+    assert "not a readable XPlane file" in str(in_process.value)

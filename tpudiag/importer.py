@@ -173,7 +173,7 @@ def _import_one(
 
         m = _RANK_SUFFIX.search(xplane.host_of(path))
         rank = int(m.group(1)) if m else index
-        xt = xplane.load(path, run_id, rank=rank, first_event_id=result.events)
+        xt = xplane.load(path, run_id, rank=rank, first_event_id=result.events, parallel=True)
         if xt.events.num_rows == 0:
             raise ImportFormatError(f"{path}: the XPlane holds no events")
         _write(spool, result, xt.events, kineto.steps_table(xt.steps, run_id, rank=rank))

@@ -57,6 +57,11 @@ class DecodeWorker:
             raise WorkerError(value)
         return value
 
+    def kill(self) -> None:
+        """Stop the child now (its batch in flight is not needed any more)."""
+        self._proc.kill()
+        self.busy = False
+
     def close(self) -> None:
         self._conn.close()  # the child sees EOF and exits
         self._proc.join(timeout=5)

@@ -24,7 +24,7 @@ from tpudiag.analysis.steps import StepSpan, detect_steps, step_array
 from tpudiag.analysis.tree import nest_arrays
 from tpudiag.errors import ImportFormatError
 from tpudiag.model import TraceEvent, arrow_schema
-from tpudiag.traces import xplane_events
+from tpudiag.traces import decodepool, xplane_events
 
 # Events DB category (the XLine name on device planes) -> our category.
 DEVICE_LINE_CATEGORIES = {
@@ -39,6 +39,7 @@ _TRAILING_INT = re.compile(r"(\d+)$")
 _HLO_CATEGORY = re.compile(r"(?:^|,)hlo_category=([^,]*)")
 _PYTHON_FRAME = "$"
 _NAME_TYPE = re.compile(r"^(.*[^:]):([^:]+)$")
+PARALLEL_MIN_BYTES = 4 << 20  # smaller files are read in-process (forking a worker would cost more than it saves)
 
 
 @dataclass(frozen=True)
@@ -48,23 +49,51 @@ class XPlaneTables:
     devices: list[str] = field(default_factory=list)  # device names of the on-device events ("TPU:0", ...)
 
 
-def load(path: Path, run_id: str, rank: int = 0, first_event_id: int = 0) -> XPlaneTables:
-    """Parse one XSpace file in-process and map its events to trace_events rows."""
-    return to_tables(read_columns(path), run_id, rank=rank, first_event_id=first_event_id, host=host_of(path))
+def load(path: Path, run_id: str, rank: int = 0, first_event_id: int = 0, parallel: bool = False) -> XPlaneTables:
+    """Parse one XSpace file in-process and map its events to trace_events rows.
+
+    ``parallel``: a large file's later planes (about half its bytes) are decoded, nested and given their args by a
+    forked second process meanwhile (for a short-lived process that owns its threads, like the import command).
+    Any failure there does it all here, so rows and errors are the in-process ones."""
+    data = _read_bytes(path)
+    host = host_of(path)
+    prepared = None
+    try:
+        planes = xplane_events.planes_of(data)
+        if parallel and len(data) >= PARALLEL_MIN_BYTES and len(planes) >= 2 and decodepool.fork_available():
+            try:
+                events, prepared = _read_parallel(planes, host)
+            except decodepool.WorkerError:
+                events = xplane_events.read_planes(planes)
+        else:
+            events = xplane_events.read_planes(planes)
+    except DecodeError as err:
+        raise ImportFormatError(f"{path}: not a readable XPlane file ({err})") from None
+    _check(path, events)
+    return to_tables(events, run_id, rank=rank, first_event_id=first_event_id, host=host, prepared=prepared)
 
 
 def read_columns(path: Path) -> xplane_events.EventColumns:
     """XSpace file -> its events; an empty, truncated or corrupt file is one ImportFormatError."""
-    data = path.read_bytes()
-    if not data:
-        raise ImportFormatError(f"{path}: empty file")
+    data = _read_bytes(path)
     try:
         events = xplane_events.read(data)
     except DecodeError as err:
         raise ImportFormatError(f"{path}: not a readable XPlane file ({err})") from None
+    _check(path, events)
+    return events
+
+
+def _read_bytes(path: Path) -> bytes:
+    data = path.read_bytes()
+    if not data:
+        raise ImportFormatError(f"{path}: empty file")
+    return data
+
+
+def _check(path: Path, events: xplane_events.EventColumns) -> None:
     if events.num_rows == 0:
         raise ImportFormatError(f"{path}: not a readable XPlane file (no trace events in it)")
-    return events
 
 
 def read_events(path: Path) -> pa.Table:
@@ -77,46 +106,124 @@ def host_of(path: Path) -> str:
     return path.name.removesuffix(".pb").removesuffix(".xplane").removesuffix(".xspace")
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What ``to_tables`` computes per thread or per group, for some planes (``prepare``, joined by ``_join``)."""
+
+    parent: np.ndarray[Any, Any]  # per event: index of its parent event (-1: none)
+    depth: np.ndarray[Any, Any]
+    hlo_category: list[str | None]  # per group
+    args: list[str | None]  # per group
+
+
+def prepare(ev: xplane_events.EventColumns, host: str) -> Prepared:
+    """Nesting (per thread), HLO category and args (per group) of these events."""
+    k = _Kinds.of(ev, host)
+    threads: dict[tuple[str, str], int] = {}
+    thread_code = np.array(
+        [threads.setdefault(t, len(threads)) for t in zip(k.process, k.thread, strict=True)], dtype=np.int64
+    )
+    parent, depth, _ = nest_arrays(thread_code[ev.kind], ev.start_ns, np.maximum(ev.end_ns - ev.start_ns, 0))
+    on_device_g = k.on_device[ev.group_kind] if len(ev.group_kind) else ev.group_kind.astype(bool)
+    return Prepared(parent, depth, _hlo_category(ev, on_device_g), _args(ev))
+
+
+def _join(head: Prepared, tail: Prepared) -> Prepared:
+    """``prepare`` of ``concatenate(head events, tail events)`` when no thread has events in both."""
+    offset = len(head.parent)
+    return Prepared(
+        parent=np.concatenate((head.parent, np.where(tail.parent < 0, -1, tail.parent + offset))),
+        depth=np.concatenate((head.depth, tail.depth)),
+        hlo_category=head.hlo_category + tail.hlo_category,
+        args=head.args + tail.args,
+    )
+
+
+def _read_parallel(planes: list[Any], host: str) -> tuple[xplane_events.EventColumns, Prepared | None]:
+    """The planes from the byte midpoint on read (and prepared, when they share no device with the others) by a
+    forked worker, which inherits ``planes``; the rest here meanwhile."""
+    split = xplane_events.split_point(planes)
+    devices = [{xplane_events.device_of(p.name) for p in part} for part in (planes[:split], planes[split:])]
+    separate = devices[0].isdisjoint(devices[1])  # no thread spans both parts: nesting splits too
+
+    def part(which: list[Any]) -> tuple[xplane_events.EventColumns, Prepared | None]:
+        ev = xplane_events.read_planes(which)
+        return ev, prepare(ev, host) if separate else None
+
+    with decodepool.DecodeWorker(lambda _: part(planes[split:])) as worker:
+        worker.submit(b"")
+        try:
+            head = part(planes[:split])
+        except Exception:  # the in-process read raises the same error; the worker's answer is not needed
+            worker.kill()
+            raise decodepool.WorkerError("a plane did not decode") from None
+        tail = worker.result()
+    events = xplane_events.concatenate(head[0], tail[0])
+    return events, _join(head[1], tail[1]) if head[1] is not None and tail[1] is not None else None
+
+
+@dataclass(frozen=True)
+class _Kinds:
+    """Per-kind columns."""
+
+    line_cat: list[str]
+    kernel: list[str]
+    on_device: np.ndarray[Any, Any]
+    process: list[str]
+    thread: list[str]
+
+    @classmethod
+    def of(cls, ev: xplane_events.EventColumns, host: str) -> _Kinds:
+        g = ev.kinds
+        line_cat: list[str] = [c or "" for c in g["category"]]
+        on_device = np.array([c in DEVICE_LINE_CATEGORIES for c in line_cat], dtype=bool)
+        thread = [
+            (c if c != "device" else f"stream {sid}") if dev else (tname or str(tid))
+            for dev, c, sid, tname, tid in zip(
+                on_device.tolist(), line_cat, g["stream_id"], g["thread_name"], g["thread_id"], strict=True
+            )
+        ]
+        return cls(
+            line_cat=line_cat,
+            kernel=[k or "" for k in g["kernel_name"]],
+            on_device=on_device,
+            process=[f"{host}:{d or ''}" if host else (d or "") for d in g["device"]],
+            thread=thread,
+        )
+
+
 def to_tables(
-    ev: xplane_events.EventColumns, run_id: str, rank: int = 0, first_event_id: int = 0, host: str = ""
+    ev: xplane_events.EventColumns,
+    run_id: str,
+    rank: int = 0,
+    first_event_id: int = 0,
+    host: str = "",
+    prepared: Prepared | None = None,
 ) -> XPlaneTables:
     """Events -> trace_events rows (categories, nesting, steps) and step spans.
 
     Every column but the times, nesting and steps is computed once per event kind (args and HLO category once per
-    group) and expanded with numpy.
+    group) and expanded with numpy.  ``prepared``: ``prepare(ev, host)``, when already computed.
     """
     g = ev.kinds
     kind = ev.kind
     group = ev.group
     n = ev.num_rows
-    line_cat: list[str] = [c or "" for c in g["category"]]
-    kernel: list[str] = [k or "" for k in g["kernel_name"]]
-    on_device_k = np.array([c in DEVICE_LINE_CATEGORIES for c in line_cat], dtype=bool)
-    on_device_g = on_device_k[ev.group_kind] if len(ev.group_kind) else ev.group_kind.astype(bool)
+    k = _Kinds.of(ev, host)
+    line_cat, kernel, on_device_k, process, thread = k.line_cat, k.kernel, k.on_device, k.process, k.thread
     category = [
         DEVICE_LINE_CATEGORIES.get(c)
-        or (HOST_OP_CATEGORY if tf_type else "python_function" if k.startswith(_PYTHON_FRAME) else "host")
-        for c, tf_type, k in zip(line_cat, g["tf_op_type"], kernel, strict=True)
+        or (HOST_OP_CATEGORY if tf_type else "python_function" if kn.startswith(_PYTHON_FRAME) else "host")
+        for c, tf_type, kn in zip(line_cat, g["tf_op_type"], kernel, strict=True)
     ]
-    name = [h if dev and h else k for dev, h, k in zip(on_device_k.tolist(), g["hlo_op"], kernel, strict=True)]
-    thread = [
-        (c if c != "device" else f"stream {sid}") if dev else (tname or str(tid))
-        for dev, c, sid, tname, tid in zip(
-            on_device_k.tolist(), line_cat, g["stream_id"], g["thread_name"], g["thread_id"], strict=True
-        )
-    ]
-    process = [f"{host}:{d or ''}" if host else (d or "") for d in g["device"]]
-    threads: dict[tuple[str, str], int] = {}
-    thread_code = np.array(
-        [threads.setdefault(t, len(threads)) for t in zip(process, thread, strict=True)], dtype=np.int64
-    )
+    name = [h if dev and h else kn for dev, h, kn in zip(on_device_k.tolist(), g["hlo_op"], kernel, strict=True)]
+    prep = prepared or prepare(ev, host)
+    parent, depth = prep.parent, prep.depth
     start, end = ev.start_ns, ev.end_ns
     dur = np.maximum(end - start, 0)
-    parent, depth, _ = nest_arrays(thread_code[kind], start, dur)
     on_device = on_device_k[kind]
     name_column = _strings(name, kind)
     steps = _steps(ev, line_cat, kernel, start, dur, parent, name_column)
-    hlo_category = _hlo_category(ev, on_device_g)
     columns: dict[str, pa.Array] = {
         "run_id": _strings([run_id], np.zeros(n, dtype=np.int32)),
         "event_id": pa.array(np.arange(first_event_id, first_event_id + n, dtype=np.int64)),
@@ -140,8 +247,8 @@ def to_tables(
             [_framework_op(t) if dev else None for dev, t in zip(on_device_k.tolist(), g["tf_op_name"], strict=True)],
             kind,
         ),
-        "hlo_category": _strings(hlo_category, group),
-        "args": _strings(_args(ev), group),
+        "hlo_category": _strings(prep.hlo_category, group),
+        "args": _strings(prep.args, group),
     }
     schema = arrow_schema(TraceEvent)
     arrays = [columns[f.name] if f.name in columns else pa.nulls(n, f.type) for f in schema]

@@ -150,12 +150,47 @@ def _stats(stats: Any, names: dict[int, str]) -> Stats:
 
 def read(data: bytes) -> EventColumns:
     """Serialized XSpace -> its events (``DecodeError`` when the bytes are not one)."""
-    space = xplane_proto.parse_raw_xspace(data)
+    return read_planes(planes_of(data))
+
+
+def planes_of(data: bytes) -> list[Any]:
+    """The planes (``RawXSpace``, events still serialized) of a serialized XSpace that have lines."""
+    return [plane for plane in xplane_proto.parse_raw_xspace(data).planes if plane.lines]
+
+
+def read_planes(planes: list[Any]) -> EventColumns:
+    """The events of these planes, in order (``concatenate`` joins the reads of consecutive runs of planes)."""
     acc = _Columns()
-    for plane in space.planes:
-        if plane.lines:
-            _plane_rows(plane, acc)
+    for plane in planes:
+        _plane_rows(plane, acc)
     return acc.finish()
+
+
+def split_point(planes: list[Any]) -> int:
+    """Where to cut the planes (1 .. len - 1) into two runs of about the same number of bytes."""
+    sizes = np.cumsum([plane.ByteSize() for plane in planes])
+    return min(max(int(np.argmin(np.abs(sizes - sizes[-1] / 2))) + 1, 1), len(planes) - 1)
+
+
+def concatenate(head: EventColumns, tail: EventColumns) -> EventColumns:
+    """The events of ``head`` then ``tail`` as if read in one pass: kinds, groups and own pairs renumbered, step
+    names merged in first-seen order."""
+    step_index = {name: i for i, name in enumerate(head.step_names)}
+    step_map = np.array([step_index.setdefault(name, len(step_index)) for name in tail.step_names] + [-1], np.int64)
+    return EventColumns(
+        kinds={c: values + tail.kinds[c] for c, values in head.kinds.items()},
+        group_kind=np.concatenate((head.group_kind, tail.group_kind + len(head.kinds["device"]))),
+        group_own=np.concatenate(
+            (head.group_own, np.where(tail.group_own < 0, -1, tail.group_own + len(head.own_pairs)))
+        ),
+        own_pairs=head.own_pairs + tail.own_pairs,
+        group=np.concatenate((head.group, tail.group + len(head.group_kind))),
+        start_ns=np.concatenate((head.start_ns, tail.start_ns)),
+        end_ns=np.concatenate((head.end_ns, tail.end_ns)),
+        self_time_ns=np.concatenate((head.self_time_ns, tail.self_time_ns)),
+        step_code=np.concatenate((head.step_code, step_map[tail.step_code])),
+        step_names=list(step_index),
+    )
 
 
 def events_table(data: bytes) -> pa.Table:
