@@ -9,6 +9,7 @@ start-up) and the function's state; it is only used from the import command's ow
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -24,6 +25,28 @@ class WorkerError(RuntimeError):
 
 def fork_available() -> bool:
     return "fork" in multiprocessing.get_all_start_methods() and (os.cpu_count() or 1) >= 2
+
+
+def keep_freed_memory() -> None:
+    """Let glibc's malloc keep freed memory for reuse instead of returning it to the system at once.
+
+    Decoding allocates and frees many arrays of a few MB.  By default glibc serves each from fresh pages (mmap, or
+    a heap it trims on every free), so every array costs page faults, and in a forked pair of processes (whose pages
+    are copy-on-write) those faults cost about as much as the decoding: a 1 M-event XPlane read took as long in
+    two processes as in one.  Process-wide, so only for a short-lived process like the import command; a no-op where
+    malloc is not glibc's.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    for option, value in ((_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 256 << 20), (_M_MMAP_THRESHOLD, 32 << 20)):
+        mallopt(option, value)
+
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # <malloc.h>
 
 
 class DecodeWorker:

@@ -61,6 +61,7 @@ def load(path: Path, run_id: str, rank: int = 0, first_event_id: int = 0, parall
     try:
         planes = xplane_events.planes_of(data)
         if parallel and len(data) >= PARALLEL_MIN_BYTES and len(planes) >= 2 and decodepool.fork_available():
+            decodepool.keep_freed_memory()
             try:
                 events, prepared = _read_parallel(planes, host)
             except decodepool.WorkerError:
@@ -112,8 +113,8 @@ class Prepared:
 
     parent: np.ndarray[Any, Any]  # per event: index of its parent event (-1: none)
     depth: np.ndarray[Any, Any]
-    hlo_category: list[str | None]  # per group
-    args: list[str | None]  # per group
+    hlo_category: Coded  # per group
+    args: Coded  # per group
 
 
 def prepare(ev: xplane_events.EventColumns, host: str) -> Prepared:
@@ -125,7 +126,7 @@ def prepare(ev: xplane_events.EventColumns, host: str) -> Prepared:
     )
     parent, depth, _ = nest_arrays(thread_code[ev.kind], ev.start_ns, np.maximum(ev.end_ns - ev.start_ns, 0))
     on_device_g = k.on_device[ev.group_kind] if len(ev.group_kind) else ev.group_kind.astype(bool)
-    return Prepared(parent, depth, _hlo_category(ev, on_device_g), _args(ev))
+    return Prepared(parent, depth, Coded.of(_hlo_category(ev, on_device_g)), Coded.of(_args(ev)))
 
 
 def _join(head: Prepared, tail: Prepared) -> Prepared:
@@ -134,8 +135,8 @@ def _join(head: Prepared, tail: Prepared) -> Prepared:
     return Prepared(
         parent=np.concatenate((head.parent, np.where(tail.parent < 0, -1, tail.parent + offset))),
         depth=np.concatenate((head.depth, tail.depth)),
-        hlo_category=head.hlo_category + tail.hlo_category,
-        args=head.args + tail.args,
+        hlo_category=head.hlo_category.then(tail.hlo_category),
+        args=head.args.then(tail.args),
     )
 
 
@@ -247,8 +248,8 @@ def to_tables(
             [_framework_op(t) if dev else None for dev, t in zip(on_device_k.tolist(), g["tf_op_name"], strict=True)],
             kind,
         ),
-        "hlo_category": _strings(prep.hlo_category, group),
-        "args": _strings(prep.args, group),
+        "hlo_category": prep.hlo_category.expand(group),
+        "args": prep.args.expand(group),
     }
     schema = arrow_schema(TraceEvent)
     arrays = [columns[f.name] if f.name in columns else pa.nulls(n, f.type) for f in schema]
@@ -261,12 +262,35 @@ def to_tables(
 
 def _strings(values: Sequence[str | None], group: np.ndarray[Any, Any]) -> pa.Array:
     """Per-group (or per-kind) strings expanded to one per event, as a dictionary array (null for None)."""
-    index: dict[str, int] = {}
-    codes = np.array([-1 if v is None else index.setdefault(v, len(index)) for v in values], dtype=np.int32)
-    per_event = codes[group] if len(codes) else codes
-    missing = codes < 0
-    indices = pa.array(per_event, mask=missing[group]) if missing.any() else pa.array(per_event)
-    return pa.DictionaryArray.from_arrays(indices, pa.array(list(index) or [""], pa.string()))
+    return Coded.of(values).expand(group)
+
+
+@dataclass(frozen=True)
+class Coded:
+    """Strings (None allowed) as their distinct values in first-seen order and one code per string (-1: None)."""
+
+    values: list[str]
+    codes: np.ndarray[Any, Any]  # int32
+
+    @classmethod
+    def of(cls, strings: Sequence[str | None]) -> Coded:
+        index: dict[str, int] = {}
+        codes = np.array([-1 if v is None else index.setdefault(v, len(index)) for v in strings], dtype=np.int32)
+        return cls(list(index), codes)
+
+    def then(self, other: Coded) -> Coded:
+        """These strings followed by ``other``'s, coded as ``Coded.of`` codes them all at once."""
+        index = {v: i for i, v in enumerate(self.values)}
+        remap = np.array([index.setdefault(v, len(index)) for v in other.values] + [-1], dtype=np.int32)
+        return Coded(list(index), np.concatenate((self.codes, remap[other.codes])))
+
+    def expand(self, group: np.ndarray[Any, Any]) -> pa.Array:
+        """The string of each event's group (``group``: codes' positions), as a dictionary array."""
+        codes = self.codes
+        per_event = codes[group] if len(codes) else codes
+        missing = codes < 0
+        indices = pa.array(per_event, mask=missing[group]) if missing.any() else pa.array(per_event)
+        return pa.DictionaryArray.from_arrays(indices, pa.array(self.values or [""], pa.string()))
 
 
 def _hlo_category(ev: xplane_events.EventColumns, on_device: np.ndarray[Any, Any]) -> list[str | None]:
