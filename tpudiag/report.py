@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tpudiag.analysis.steps import StepSpan, summarize_steps
+from tpudiag.analysis.step_summary import StepSpan, summarize_steps
 from tpudiag.store import Store, queries
 
 RUN_KEYS = (

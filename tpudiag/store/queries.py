@@ -6,12 +6,13 @@ passed as parameters, never spliced into SQL text.
 
 from __future__ import annotations
 
-from typing import Any
-
-import duckdb
+from typing import TYPE_CHECKING, Any
 
 from tpudiag.errors import UnknownRunError
 from tpudiag.store.database import Store, decode_run
+
+if TYPE_CHECKING:
+    import duckdb
 
 # Categories that count as "ops" in the slow-ops ranking.
 HOST_OP_CATEGORIES = ("cpu_op",)

@@ -35,7 +35,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tpudiag.analysis.steps import StepSpan, detect_steps, step_array
+from tpudiag.analysis.step_summary import StepSpan
+from tpudiag.analysis.steps import detect_steps, step_array
 from tpudiag.analysis.tree import attribute_modules, decode, encode, levels_by_depth, nest_arrays
 from tpudiag.errors import ImportFormatError
 from tpudiag.model import Step, TraceEvent, arrow_schema

@@ -20,7 +20,8 @@ import numpy as np
 import pyarrow as pa
 from google.protobuf.message import DecodeError
 
-from tpudiag.analysis.steps import StepSpan, detect_steps, step_array
+from tpudiag.analysis.step_summary import StepSpan
+from tpudiag.analysis.steps import detect_steps, step_array
 from tpudiag.analysis.tree import nest_arrays
 from tpudiag.errors import ImportFormatError
 from tpudiag.model import TraceEvent, arrow_schema

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
-
-import duckdb
+from typing import TYPE_CHECKING, Any
 
 from tpudiag.store.queries import DEVICE_OP_CATEGORIES, HOST_OP_CATEGORIES
+
+if TYPE_CHECKING:
+    import duckdb
 
 FAIL_VERDICTS = ("fail", "overflow")
 BREAKDOWN_OPS = 8  # ops stacked in the per-step chart
