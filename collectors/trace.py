@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tpudiag import runner
 from tpudiag.plugins import CaptureContext
 
 
@@ -171,7 +172,8 @@ class TraceCollector:
         except Exception as err:
             self._ctx.note(f"a trace chunk could not be written ({err}); later chunks continue")
         try:
-            self._start_session()
+            with runner.signals_to_main_thread():
+                self._start_session()
         except Exception as err:
             self._ctx.note(f"trace stopped early: the profiler failed to restart ({err})")
 

@@ -5,6 +5,7 @@ Each test captures a real script in a subprocess, as a user would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -146,6 +147,46 @@ def test_signals_give_130_and_143_and_the_run_is_stored_interrupted(
     assert proc.returncode == code, err
     (run,) = _runs(db, tmp_path)
     assert run["status"] == "interrupted" and run["exit_code"] == code
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_only_the_script_thread_takes_sigint_and_sigterm(tmp_path: Path, db: Path) -> None:
+    """tpudiag's own threads (flusher, profiler, DuckDB, numpy/Arrow workers) block SIGINT and SIGTERM, so the kernel
+    hands them to the script's thread: a signal taken by another thread would leave a script that waits in C
+    (``time.sleep``) unaware of it."""
+    stop = tmp_path / "stop"
+    script = _write(
+        tmp_path / "wait.py",
+        """
+        import os, sys, time
+        print("ready", flush=True)
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.05)
+        """,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), "--collect", "trace", str(script), str(stop)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        masks = {}
+        for task in Path(f"/proc/{proc.pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                fields = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines())
+                masks[int(task.name)] = int(fields["SigBlk"], 16)
+    finally:
+        stop.touch()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    held = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+    assert len(masks) > 2  # the profiler's and the flusher's threads at least
+    assert masks.pop(proc.pid) & held == 0  # the script's thread takes them
+    assert all(mask & held == held for mask in masks.values()), {t: hex(m) for t, m in masks.items()}
 
 
 def test_sigkill_leaves_a_run_that_is_later_marked_interrupted_with_its_flushed_data(tmp_path: Path, db: Path) -> None:

@@ -81,54 +81,56 @@ class _Flusher(threading.Thread):
 def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None = None) -> CaptureResult:
     clock = clock or SystemClock()
     runner.check_target(target)
-    store = Store(options.db)
-    collectors = load_collectors(options.collect)
-    with contextlib.suppress(TpudiagError):
-        store.recover_stale_runs()
+    # Threads started during set-up (DuckDB's, the profiler's, the flusher) leave SIGINT/SIGTERM to the thread
+    # that runs the script.
+    with runner.signals_to_main_thread():
+        store = Store(options.db)
+        collectors = load_collectors(options.collect)
+        with contextlib.suppress(TpudiagError):
+            store.recover_stale_runs()
 
-    run_id = new_run_id(clock)
-    run_dir = store.run_dir(run_id).resolve()
-    spool = Spool(run_dir / "spool")
-    started = clock.wall()
-    script_path = Path(target.name) if target.kind == "script" else Path.cwd()
-    run = Run(
-        id=run_id,
-        name=options.name or (Path(target.name).stem if target.kind == "script" else target.name),
-        status="running",
-        started_at=started,
-        script=target.display,
-        argv=list(target.args),
-        cwd=os.getcwd(),
-        host=environment.host(),
-        pid=os.getpid(),
-        python_version=environment.python_version(),
-        tpudiag_version=tpudiag.__version__,
-        env=environment.env_knobs(),
-        git_commit=environment.git_commit(script_path.resolve()),
-        collectors=[c.name for c in collectors],
-        artifacts_dir=str(run_dir),
-    )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    store.put_run(run)
+        run_id = new_run_id(clock)
+        run_dir = store.run_dir(run_id).resolve()
+        spool = Spool(run_dir / "spool")
+        started = clock.wall()
+        script_path = Path(target.name) if target.kind == "script" else Path.cwd()
+        run = Run(
+            id=run_id,
+            name=options.name or (Path(target.name).stem if target.kind == "script" else target.name),
+            status="running",
+            started_at=started,
+            script=target.display,
+            argv=list(target.args),
+            cwd=os.getcwd(),
+            host=environment.host(),
+            pid=os.getpid(),
+            python_version=environment.python_version(),
+            tpudiag_version=tpudiag.__version__,
+            env=environment.env_knobs(),
+            git_commit=environment.git_commit(script_path.resolve()),
+            collectors=[c.name for c in collectors],
+            artifacts_dir=str(run_dir),
+        )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        store.put_run(run)
 
-    ctx = CaptureContext(
-        run_id=run_id, run_dir=run_dir, spool=spool, options=dict(options.collector_options), clock=clock
-    )
-    active: list[Collector] = []
-    for c in collectors:
-        try:
-            c.prepare(ctx)
-        except Exception as err:  # a broken collector must not break the user's script
-            ctx.note(f"collector {c.name} failed to prepare: {err}")
-    for c in collectors:
-        try:
-            c.start(ctx)
-            active.append(c)
-        except Exception as err:
-            ctx.note(f"collector {c.name} failed to start: {err}")
-
-    flusher = _Flusher(store, run_id, spool, active, options.flush_interval_s)
-    flusher.start()
+        ctx = CaptureContext(
+            run_id=run_id, run_dir=run_dir, spool=spool, options=dict(options.collector_options), clock=clock
+        )
+        active: list[Collector] = []
+        for c in collectors:
+            try:
+                c.prepare(ctx)
+            except Exception as err:  # a broken collector must not break the user's script
+                ctx.note(f"collector {c.name} failed to prepare: {err}")
+        for c in collectors:
+            try:
+                c.start(ctx)
+                active.append(c)
+            except Exception as err:
+                ctx.note(f"collector {c.name} failed to start: {err}")
+        flusher = _Flusher(store, run_id, spool, active, options.flush_interval_s)
+        flusher.start()
     t0 = clock.monotonic()
     outcome = runner.run(target)
     duration = clock.monotonic() - t0

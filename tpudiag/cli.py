@@ -64,9 +64,11 @@ def _split_capture_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
-    from tpudiag.capture import CaptureOptions, run_capture_cli
-    from tpudiag.runner import Target
-    from tpudiag.store import resolve_db_path
+    from tpudiag.runner import Target, signals_to_main_thread
+
+    with signals_to_main_thread():  # numpy's and Arrow's worker threads start at import
+        from tpudiag.capture import CaptureOptions, run_capture_cli
+        from tpudiag.store import resolve_db_path
 
     if not rest:
         raise UsageError("capture needs a script or -m module (tpudiag capture [options] script.py [args...])")

@@ -7,12 +7,14 @@ Python prints it, with tpudiag's own frames removed).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import runpy
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -92,6 +94,25 @@ def _exit_code_of(exc: SystemExit) -> int:
         return code & 0xFF if code >= 0 else code % 256
     sys.stderr.write(f"{code}\n")
     return 1
+
+
+@contextlib.contextmanager
+def signals_to_main_thread() -> Iterator[None]:
+    """Threads started inside this block (and the threads they start) never receive SIGINT or SIGTERM.
+
+    Python runs signal handlers in the main thread, but the kernel may deliver a process signal to any thread that
+    does not block it; a signal taken by a background thread leaves a main thread that waits in C (``time.sleep``,
+    a long kernel) unaware until it runs Python code again.  New threads inherit the signal mask of the thread that
+    starts them, so tpudiag starts its own (flusher, profiler, DuckDB workers) with these two blocked.
+    """
+    if not hasattr(signal, "pthread_sigmask"):  # not on Windows
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def run(target: Target) -> Outcome:
