@@ -196,6 +196,21 @@ def _finish(path: Path, builder: _Builder, meta: Any) -> KinetoTrace:
     return trace
 
 
+def _decode_into(builder: _Builder, splitter: EventSplitter, batch: bytes | None) -> None:
+    """Decode one batch into ``builder``.  A batch whose fast cut fell inside an event does not decode: the splitter
+    then gives back those bytes split exactly (and splits exactly from there on)."""
+    while batch is not None:
+        try:
+            events = _EVENTS.decode(batch)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            if not splitter.fast:
+                raise
+            batch = splitter.reject()
+            continue
+        builder.add(events)
+        return
+
+
 def _read(path: Path, progress: Progress | None) -> tuple[_Builder, Any]:
     splitter = EventSplitter()
     builder = _Builder()
@@ -203,14 +218,7 @@ def _read(path: Path, progress: Progress | None) -> tuple[_Builder, Any]:
     def add(batch: bytes | None) -> None:
         if batch is None:
             return
-        try:
-            events = _EVENTS.decode(batch)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            if not splitter.fast:
-                raise
-            add(splitter.reject())  # the fast cut fell inside an event: split those bytes exactly
-            return
-        builder.add(events)
+        _decode_into(builder, splitter, batch)
         if progress is not None:
             progress(builder.rows)
 
@@ -261,16 +269,8 @@ def _read_parallel(path: Path, progress: Progress | None) -> tuple[_Builder, Any
     in_process = False
 
     def add_here(batch: bytes | None) -> None:  # in-process decoding, as ``_read`` does it
-        if batch is None:
-            return
-        try:
-            events = _EVENTS.decode(batch)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            if not splitter.fast:
-                raise
-            add_here(splitter.reject())
-            return
-        builder.add(events)
+        if batch is not None:
+            _decode_into(builder, splitter, batch)
 
     with decodepool.DecodeWorker(_RemoteCoder()) as worker:  # forked before the gunzip thread starts
 
