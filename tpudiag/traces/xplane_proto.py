@@ -47,6 +47,28 @@ def _map_entry(parent: descriptor_pb2.DescriptorProto, entry_name: str, value_ty
     _field(entry, "value", 2, _F.TYPE_MESSAGE, type_name=value_type)
 
 
+def _plane_and_line(fd: descriptor_pb2.FileDescriptorProto, prefix: str) -> Any:
+    """Add ``{prefix}XPlane`` and ``{prefix}XLine`` (every field but the line's ``events``); returns the line."""
+    plane = fd.message_type.add(name=f"{prefix}XPlane")
+    _field(plane, "id", 1, _F.TYPE_INT64)
+    _field(plane, "name", 2, _F.TYPE_STRING)
+    _field(plane, "lines", 3, _F.TYPE_MESSAGE, repeated=True, type_name=f"{prefix}XLine")
+    _map_entry(plane, "EventMetadataEntry", "XEventMetadata")
+    _field(plane, "event_metadata", 4, _F.TYPE_MESSAGE, repeated=True, type_name=f"{prefix}XPlane.EventMetadataEntry")
+    _map_entry(plane, "StatMetadataEntry", "XStatMetadata")
+    _field(plane, "stat_metadata", 5, _F.TYPE_MESSAGE, repeated=True, type_name=f"{prefix}XPlane.StatMetadataEntry")
+    _field(plane, "stats", 6, _F.TYPE_MESSAGE, repeated=True, type_name="XStat")
+
+    line = fd.message_type.add(name=f"{prefix}XLine")
+    _field(line, "id", 1, _F.TYPE_INT64)
+    _field(line, "display_id", 10, _F.TYPE_INT64)
+    _field(line, "name", 2, _F.TYPE_STRING)
+    _field(line, "display_name", 11, _F.TYPE_STRING)
+    _field(line, "timestamp_ns", 3, _F.TYPE_INT64)
+    _field(line, "duration_ps", 9, _F.TYPE_INT64)
+    return line
+
+
 def file_descriptor() -> descriptor_pb2.FileDescriptorProto:
     """``xplane.proto`` as a FileDescriptorProto (field numbers from openxla/xla)."""
     fd = descriptor_pb2.FileDescriptorProto(name="tpudiag/xplane.proto", package=PACKAGE, syntax="proto3")
@@ -57,23 +79,7 @@ def file_descriptor() -> descriptor_pb2.FileDescriptorProto:
     _field(space, "warnings", 3, _F.TYPE_STRING, repeated=True)
     _field(space, "hostnames", 4, _F.TYPE_STRING, repeated=True)
 
-    plane = fd.message_type.add(name="XPlane")
-    _field(plane, "id", 1, _F.TYPE_INT64)
-    _field(plane, "name", 2, _F.TYPE_STRING)
-    _field(plane, "lines", 3, _F.TYPE_MESSAGE, repeated=True, type_name="XLine")
-    _map_entry(plane, "EventMetadataEntry", "XEventMetadata")
-    _field(plane, "event_metadata", 4, _F.TYPE_MESSAGE, repeated=True, type_name="XPlane.EventMetadataEntry")
-    _map_entry(plane, "StatMetadataEntry", "XStatMetadata")
-    _field(plane, "stat_metadata", 5, _F.TYPE_MESSAGE, repeated=True, type_name="XPlane.StatMetadataEntry")
-    _field(plane, "stats", 6, _F.TYPE_MESSAGE, repeated=True, type_name="XStat")
-
-    line = fd.message_type.add(name="XLine")
-    _field(line, "id", 1, _F.TYPE_INT64)
-    _field(line, "display_id", 10, _F.TYPE_INT64)
-    _field(line, "name", 2, _F.TYPE_STRING)
-    _field(line, "display_name", 11, _F.TYPE_STRING)
-    _field(line, "timestamp_ns", 3, _F.TYPE_INT64)
-    _field(line, "duration_ps", 9, _F.TYPE_INT64)
+    line = _plane_and_line(fd, "")
     _field(line, "events", 4, _F.TYPE_MESSAGE, repeated=True, type_name="XEvent")
     for lo in (5, 6, 7, 8):
         line.reserved_range.add(start=lo, end=lo + 1)
@@ -123,23 +129,7 @@ def raw_file_descriptor() -> descriptor_pb2.FileDescriptorProto:
     _field(space, "planes", 1, _F.TYPE_MESSAGE, repeated=True, type_name="RawXPlane")
     _field(space, "hostnames", 4, _F.TYPE_STRING, repeated=True)
 
-    plane = fd.message_type.add(name="RawXPlane")
-    _field(plane, "id", 1, _F.TYPE_INT64)
-    _field(plane, "name", 2, _F.TYPE_STRING)
-    _field(plane, "lines", 3, _F.TYPE_MESSAGE, repeated=True, type_name="RawXLine")
-    _map_entry(plane, "EventMetadataEntry", "XEventMetadata")
-    _field(plane, "event_metadata", 4, _F.TYPE_MESSAGE, repeated=True, type_name="RawXPlane.EventMetadataEntry")
-    _map_entry(plane, "StatMetadataEntry", "XStatMetadata")
-    _field(plane, "stat_metadata", 5, _F.TYPE_MESSAGE, repeated=True, type_name="RawXPlane.StatMetadataEntry")
-    _field(plane, "stats", 6, _F.TYPE_MESSAGE, repeated=True, type_name="XStat")
-
-    line = fd.message_type.add(name="RawXLine")
-    _field(line, "id", 1, _F.TYPE_INT64)
-    _field(line, "display_id", 10, _F.TYPE_INT64)
-    _field(line, "name", 2, _F.TYPE_STRING)
-    _field(line, "display_name", 11, _F.TYPE_STRING)
-    _field(line, "timestamp_ns", 3, _F.TYPE_INT64)
-    _field(line, "duration_ps", 9, _F.TYPE_INT64)
+    line = _plane_and_line(fd, "Raw")
     _field(line, "events", 4, _F.TYPE_BYTES, repeated=True)
     return fd
 
