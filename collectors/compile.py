@@ -30,6 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tpudiag import internal_errors
 from tpudiag.analysis.compile_events import CompileEventBuilder
 from tpudiag.model import CompileEvent
 from tpudiag.plugins import CaptureContext
@@ -52,8 +53,13 @@ class _Handler(logging.Handler):
         try:
             with self._lock:
                 self._sink += self._builder.feed(metadata, getattr(record, "payload", None), int(record.created * 1e9))
-        except Exception:  # a record we do not understand must never break the user's compile
+        except Exception as err:  # a record we do not understand must never break the user's compile
             self.errors += 1
+            internal_errors.current().record("compile", f"trace record {_event_name(metadata)}", err)
+
+
+def _event_name(metadata: dict[str, Any]) -> str:
+    return next((str(k) for k in metadata if k not in ("frame_id", "frame_compile_id", "attempt", "rank")), "?")
 
 
 def tpu_cache_stats() -> dict[str, Any] | None:

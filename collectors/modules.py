@@ -1,13 +1,13 @@
 """Module paths (``transformer.h.0.mlp``) for whatever code runs inside an ``nn.Module`` forward.
 
-Global forward hooks keep a per-thread stack of the modules being executed.  Names come from the first root
+A ``module_calls`` listener keeps a per-thread stack of the modules being executed (no global module hooks:
+torch.compile never sees it).  Names come from the first root
 module's ``named_modules()`` (so paths read like the model's own attribute paths); the root itself is labelled
-with its class name.  Hooks do nothing while Dynamo traces, so compiled code is not changed by them.
+with its class name (a torch.compile'd root by the class it wraps).
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import os
@@ -17,7 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.nn.modules import module as nn_module
+
+from tpudiag import internal_errors
+from tpudiag.collectors import module_calls
 
 
 def _shape_of(value: Any) -> Any:
@@ -84,13 +86,10 @@ class ModuleTracker:
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def install(self) -> None:
-        self._handles.append(nn_module.register_module_forward_pre_hook(self._pre))
-        self._handles.append(nn_module.register_module_forward_hook(self._post, always_call=True))
+        module_calls.add(self)
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        module_calls.remove(self)
 
     # -- queries --------------------------------------------------------------------------------------------
     def _stack(self) -> list[tuple[torch.nn.Module, str, Any]]:
@@ -110,12 +109,18 @@ class ModuleTracker:
             return path
         stack = self._stack()
         if not stack:
-            root_label = type(module).__name__
+            # A torch.compile'd module (OptimizedModule) is named after the module it wraps, without "_orig_mod".
+            orig = getattr(module, "_orig_mod", None)
+            root_label = type(orig if isinstance(orig, torch.nn.Module) else module).__name__
             for name, sub in module.named_modules():
-                self._paths.setdefault(sub, name if name else root_label)
+                shown = ".".join(part for part in name.split(".") if part != "_orig_mod")
+                self._paths.setdefault(sub, shown if shown else root_label)
             return self._paths[module]
         parent_module, parent_path = stack[-1][0], stack[-1][1]
         for name, child in parent_module.named_children():
+            if name == "_orig_mod":
+                self._paths.setdefault(child, parent_path)
+                continue
             self._paths.setdefault(child, f"{parent_path}.{name}" if parent_path else name)
         path = self._paths.get(module)
         if path is None:
@@ -123,10 +128,8 @@ class ModuleTracker:
             self._paths[module] = path
         return path
 
-    # -- hooks ----------------------------------------------------------------------------------------------
-    def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        if torch.compiler.is_compiling():
-            return
+    # -- module_calls listener ---------------------------------------------------------------------------
+    def enter(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         stack = self._stack()
         is_root = not stack
         path = self.path_of(module)
@@ -139,20 +142,22 @@ class ModuleTracker:
         token = None
         if self._on_enter is not None:
             try:
-                token = self._on_enter(path, module, args, {}, is_root)
-            except Exception:  # a collector's bookkeeping must never break the user's forward
+                token = self._on_enter(path, module, args, kwargs, is_root)
+            except Exception as err:  # a collector's bookkeeping must never break the user's forward
+                internal_errors.current().record("module hooks", f"enter {path}", err)
                 token = None
         stack.append((module, path, token))
+        return module
 
-    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
+    def exit(self, module: torch.nn.Module, token: Any, output: Any, failed: bool) -> None:
         stack = self._stack()
-        # Pop to this module: an exception inside a child skips the child's post hook only if always_call fails.
+        # Pop to this module (a child that raised may not have popped itself if its listener failed).
         while stack:
-            mod, path, token = stack.pop()
+            mod, path, tok = stack.pop()
             if self._on_exit is not None:
-                with contextlib.suppress(Exception):
-                    self._on_exit(path, token)
+                try:
+                    self._on_exit(path, tok)
+                except Exception as err:
+                    internal_errors.current().record("module hooks", f"exit {path}", err)
             if mod is module:
                 break

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tpudiag import runner
+from tpudiag import internal_errors, runner
 from tpudiag.plugins import CaptureContext
 
 
@@ -113,7 +113,9 @@ class TraceCollector:
         self._tracker = ModuleTracker(on_enter, on_exit)
         try:
             self._tracker.install()
-            self._hooks.append(register_optimizer_step_post_hook(self._after_optimizer_step))
+            from tpudiag.collectors import module_calls
+
+            self._hooks.append(register_optimizer_step_post_hook(module_calls.skip_in_dynamo(self._after_optimizer_step)))
             self._patch_user_sessions()
             from tpudiag.collectors import tpu_profiler
 
@@ -230,14 +232,16 @@ class TraceCollector:
             if collector._prof is not None and not collector._starting and prof_self is not collector._own_inner:
                 collector._user_sessions += 1
                 collector._paused_for_user = True
-                collector._stop_session()
+                with internal_errors.current().guard("trace", "pause for the script's profiler"):
+                    collector._stop_session()
             return orig_prepare(prof_self)
 
         def __exit__(prof_self: Any, *exc: Any) -> Any:
             result = orig_exit(prof_self, *exc)
             if collector._paused_for_user and prof_self is not collector._own_inner:
                 collector._paused_for_user = False
-                collector._start_session()
+                with internal_errors.current().guard("trace", "resume after the script's profiler"):
+                    collector._start_session()
             return result
 
         self._patches = [(cls, "_prepare_trace", orig_prepare), (cls, "__exit__", orig_exit)]

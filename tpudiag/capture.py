@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import tpudiag
-from tpudiag import environment, runner
+from tpudiag import environment, internal_errors, runner
 from tpudiag.clock import Clock, SystemClock
 from tpudiag.errors import StoreError, TpudiagError
 from tpudiag.model import Run
@@ -45,6 +45,7 @@ class CaptureResult:
     status: str
     collectors: list[Collector]
     context: CaptureContext
+    internal_errors: str | None = None  # the closing line about tpudiag's own failures, if there were any
 
 
 def new_run_id(clock: Clock) -> str:
@@ -112,6 +113,7 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
             artifacts_dir=str(run_dir),
         )
         run_dir.mkdir(parents=True, exist_ok=True)
+        errors = internal_errors.begin(run_dir)
         store.put_run(run)
 
         ctx = CaptureContext(
@@ -143,6 +145,7 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
             ctx.note(f"collector {c.name} failed while stopping: {err}")
 
     kind, device_name = environment.device()
+    errors_line = errors.closing_line()
     final = dataclasses.replace(
         run,
         status=outcome.status,
@@ -152,14 +155,16 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
         device_kind=kind,
         device_name=device_name,
         precision={**environment.precision(), **ctx.metadata.get("precision", {})},
-        notes=list(ctx.notes) + ([f"script ended with {outcome.error}"] if outcome.error else []),
+        notes=([f"{internal_errors.NOTE_PREFIX} {errors_line}"] if errors_line else [])
+        + list(ctx.notes)
+        + ([f"script ended with {outcome.error}"] if outcome.error else []),
     )
     with store.writer() as w:
         store.finish_run(run_id, spool.directory, con=w)
         store.put_run(final, con=w)
     with contextlib.suppress(OSError):
         _remove_empty_tree(spool.directory)
-    return CaptureResult(run_id, outcome.exit_code, outcome.status, active, ctx)
+    return CaptureResult(run_id, outcome.exit_code, outcome.status, active, ctx, errors_line)
 
 
 def _remove_empty_tree(folder: Path) -> None:
@@ -179,6 +184,8 @@ def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
         # The script may already have run; its data stays in the spool for the next command to recover.
         _warn(str(err))
         return err.exit_code
+    if result.internal_errors:
+        _warn(result.internal_errors)
     for note in result.context.notes:
         _warn(f"note: {note}")
     _warn(f"run {result.run_id} ({result.status}, exit {result.exit_code}) stored in {options.db}")

@@ -59,38 +59,41 @@ def _device_kind() -> str:
 class _BackwardModules:
     """Module path per autograd node: after each module forward, untagged nodes behind its outputs get its path.
 
-    Post hooks run innermost first, so a node gets the innermost module whose forward created it.
+    A ``module_calls`` listener: exits run innermost first, so a node gets the innermost module whose forward
+    created it.
     """
 
     def __init__(self, tracker: Any) -> None:
         self._tracker = tracker
-        self._handle: Any = None
 
     def install(self) -> None:
-        from torch.nn.modules import module as nn_module
+        from tpudiag.collectors import module_calls
 
-        self._handle = nn_module.register_module_forward_hook(self._post)
+        module_calls.add(self)
 
     def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
+        from tpudiag.collectors import module_calls
 
-    def _post(self, module: Any, args: Any, output: Any) -> None:
+        module_calls.remove(self)
+
+    def enter(self, module: Any, args: Any, kwargs: Any) -> None:
+        return None
+
+    def exit(self, module: Any, token: Any, output: Any, failed: bool) -> None:
         import torch
         from torch.utils._pytree import tree_flatten
 
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        if failed or not torch.is_grad_enabled():
             return
-        with contextlib.suppress(Exception):
-            path = self._tracker.path_of(module)
-            leaves, _ = tree_flatten(output)
-            todo = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-            while todo:
-                node: Any = todo.pop()
-                if node is None or _NODE_KEY in node.metadata:
-                    continue
-                node.metadata[_NODE_KEY] = path
-                todo.extend(n for n, _ in node.next_functions if n is not None)
+        path = self._tracker.path_of(module)
+        leaves, _ = tree_flatten(output)
+        todo = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            node: Any = todo.pop()
+            if node is None or _NODE_KEY in node.metadata:
+                continue
+            node.metadata[_NODE_KEY] = path
+            todo.extend(n for n, _ in node.next_functions if n is not None)
 
     @staticmethod
     def current() -> str | None:
@@ -120,13 +123,14 @@ class NumericsCollector:
         self._progress: threading.Thread | None = None
         self._entered = False
         self._settings: dict[str, Any] = {}
-        self._detach_hook: Any = None
+        self._module_hook_on = False  # _on_module sees module calls (step boundaries, budget detach)
+        self._boundaries = _ModuleBoundaries(self)
         self._step_hook: Any = None
         self._hooks_on = False
         self._root: Any = None
         self._opt_steps = 0
         self._steps = _StepState()
-        self._probes: dict[int, Any] = {}  # root module id -> forward pre-hook handle (input shape probe)
+        self._probes: set[int] = set()  # ids of root modules whose inputs are probed on every step
         self._root_inputs: set[tuple[Any, ...]] = set()
 
     # -- plugin protocol --------------------------------------------------------------------------------------
@@ -188,13 +192,14 @@ class NumericsCollector:
             from tpudiag.collectors.numerics.sampling import StepSchedule
 
             self._steps.schedule = StepSchedule(watch_all=options.mode == "all")
-            # Registered (in _attach) before the module tracker's hooks: the tracker's stack is empty at a root.
-            self._step_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+            from tpudiag.collectors import module_calls
+
+            # Added before the module tracker: the tracker's stack is still empty when a root's call begins.
+            module_calls.add(self._boundaries)
+            self._step_hook = register_optimizer_step_post_hook(module_calls.skip_in_dynamo(self._on_optimizer_step))
             self._steps.t0 = time.perf_counter()
             self._steps.spent0 = self._mode.budget.spent()
             self._attach()
-            self._progress = threading.Thread(target=self._progress_loop, name="tpudiag-numerics", daemon=True)
-            self._progress.start()
             self._progress = threading.Thread(target=self._progress_loop, name="tpudiag-numerics", daemon=True)
             self._progress.start()
 
@@ -219,10 +224,13 @@ class NumericsCollector:
         if self._progress is not None:
             self._progress.join(timeout=5)
         self._clear_progress()
-        parts: list[Any] = [self._tracker, self._backward, self._detach_hook, self._step_hook, *self._probes.values()]
+        from tpudiag.collectors import module_calls
+
+        parts: list[Any] = [self._tracker, self._backward, self._step_hook]
         for part in parts:
             with contextlib.suppress(Exception):
                 part.remove()
+        module_calls.remove(self._boundaries)
         self._unregister_compile_callback()
         for (op, phase), n in mode.spent_calls.items():
             self._recorder.aggregate(mode.seq, op, phase, None, "budget", 0.0, None, n)
@@ -289,10 +297,7 @@ class NumericsCollector:
     def _attach(self) -> None:
         """Module hooks on, mode pushed (only at a step boundary: no forward is running)."""
         assert self._tracker is not None and self._backward is not None
-        if self._detach_hook is None:
-            from torch.nn.modules import module as nn_module
-
-            self._detach_hook = nn_module.register_module_forward_pre_hook(self._on_module)
+        self._module_hook_on = True
         if not self._hooks_on:
             self._tracker.install()
             self._backward.install()
@@ -315,10 +320,9 @@ class NumericsCollector:
             self._tracker.remove()
             self._backward.remove()
             self._hooks_on = False
-            if self._opt_steps and self._detach_hook is not None:
-                # Any global module hook sends every module call down torch's slow path: none while unwatched.
-                self._detach_hook.remove()
-                self._detach_hook = None
+            if self._opt_steps:
+                # Optimizer steps are the boundaries: unwatched steps need nothing from module calls.
+                self._module_hook_on = False
 
     def _on_module(self, module: Any, args: Any) -> None:
         """Root forwards are step boundaries for scripts without an optimizer; budget detach mid-step."""
@@ -343,10 +347,9 @@ class NumericsCollector:
             self._steps.budget_detaches += 1
 
     def _add_probe(self, root: Any) -> None:
-        """A forward pre-hook on this root module only (no global hook): it sees the root's input shapes and dtypes
-        on every step, watched or not, and asks for the next step to be watched when they are new."""
-        with contextlib.suppress(Exception):
-            self._probes[id(root)] = root.register_forward_pre_hook(self._probe, with_kwargs=True)
+        """This root module's inputs are probed on every step, watched or not: new shapes or dtypes ask for the
+        next step to be watched."""
+        self._probes.add(id(root))
 
     def _probe(self, module: Any, args: Any, kwargs: Any) -> None:
         signature = _input_signature(args, kwargs)
@@ -359,8 +362,11 @@ class NumericsCollector:
             st.rewatches += 1
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._opt_steps += 1
-        self._boundary()
+        from tpudiag import internal_errors
+
+        with internal_errors.current().guard("numerics", "optimizer step hook"):
+            self._opt_steps += 1
+            self._boundary()
 
     def _boundary(self) -> None:
         """End of a step: learn from it, replay its ops if it was not watched, decide whether to watch the next."""
@@ -498,6 +504,24 @@ class NumericsCollector:
             from torch._dynamo.callback import callback_handler
 
             callback_handler.remove_start_callback(self._compile_cb)
+
+
+class _ModuleBoundaries:
+    """The numerics collector's ``module_calls`` listener: root forwards (step boundaries in scripts without an
+    optimizer, the root input probe) and budget detaches at module boundaries."""
+
+    def __init__(self, collector: NumericsCollector) -> None:
+        self._collector = collector
+
+    def enter(self, module: Any, args: Any, kwargs: Any) -> None:
+        c = self._collector
+        if id(module) in c._probes:
+            c._probe(module, args, kwargs)
+        if c._module_hook_on:
+            c._on_module(module, args)
+
+    def exit(self, module: Any, token: Any, output: Any, failed: bool) -> None:
+        return None
 
 
 class _StepState:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tpudiag import internal_errors
 from tpudiag.analysis.numerics_metrics import OutputMetrics, compare, dtype_name, is_discrete
 from tpudiag.analysis.verdict import DIVERGENT, Evidence, Verdict, decide, eps_of, role
 from tpudiag.collectors.numerics import oracle
@@ -93,7 +94,10 @@ def _flops(
     if fn is not None:
         key: tuple[Any, ...] | None = None
         if signature is not None:
-            scalars = tuple(a for a in args if isinstance(a, (int, float, bool, list, tuple)) and not _has_tensor(a))
+            # int[] arguments arrive as lists or tuples (conv stride/padding): keyed as nested tuples.
+            scalars = tuple(
+                _frozen(a) for a in args if isinstance(a, (int, float, bool, list, tuple)) and not _has_tensor(a)
+            )
             outs = tuple(tuple(t.shape) for t in outputs if isinstance(t, torch.Tensor))
             key = (signature, scalars, outs)
             hit = _FLOPS.get(key)
@@ -107,6 +111,10 @@ def _flops(
             _FLOPS[key] = value
         return value
     return float(sum(t.numel() for t in outputs if isinstance(t, torch.Tensor)))
+
+
+def _frozen(x: Any) -> Any:
+    return tuple(_frozen(y) for y in x) if isinstance(x, (list, tuple)) else x
 
 
 def _has_tensor(x: Any) -> bool:
@@ -161,12 +169,37 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.step_calls: dict[tuple[str, str], list[Any]] = {}
         # (op, phase) -> calls only counted because the budget was spent (recorded as "budget" by the collector).
         self.spent_calls: dict[tuple[str, str], int] = {}
+        # Ops on which tpudiag itself failed once: run plainly from then on, counted as "tpudiag_error".
+        self.broken: set[Any] = set()
 
     # -- dispatch -------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not self.active or torch.compiler.is_compiling():
             return func(*args, **kwargs)
+        # The op itself runs exactly once, outside any tpudiag code: its own exceptions reach the script as they
+        # would without tpudiag; tpudiag's (before or after it) are recorded and the op is not checked again.
+        if func in self.broken:
+            self._count_broken(func)
+            return func(*args, **kwargs)
+        try:
+            pending = self._before(func, args, kwargs)
+        except Exception as err:
+            self._internal_error(func, err)
+            return func(*args, **kwargs)
+        if pending is None:
+            return func(*args, **kwargs)
+        t_op = self.clock()
+        out = func(*args, **kwargs)
+        op_s = self.clock() - t_op
+        try:
+            self._after(func, pending, args, kwargs, out, op_s)
+        except Exception as err:
+            self._internal_error(func, err)
+        return out
+
+    def _before(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pending | None:
+        """Everything before the op runs: counting, the skip decision, snapshots of what the op will write."""
         t_entry = self.clock()
         self.seq += 1
         seq = self.seq
@@ -185,19 +218,48 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if self.detach_requested:
             # Budget spent, mode still on the stack until a safe point: count the call, nothing else.
             self.spent_calls[key] = self.spent_calls.get(key, 0) + 1
-            return func(*args, **kwargs)
+            return None
         module = self.ctx.module_of(phase) if self.ctx.module_of is not None else None
         tensors = oracle.tensors_in(args, kwargs)
         reason, signature = self._skip_reason(func, plan, module, tensors, t_entry)
+        pending = _Pending(plan, seq, module, phase, tensors, signature, reason, t_entry)
         if reason is not None:
-            t_op = self.clock()
-            out = func(*args, **kwargs)
-            op_s = self.clock() - t_op
-            self._unchecked(func, plan, seq, module, phase, reason, args, kwargs, out, tensors, signature)
+            return pending
+        pending.t_check = self.clock()
+        if plan.mutates:
+            # Arguments the op writes (and any argument sharing their storage), as they were before the write.
+            with _tool_range():
+                pending.snap, pending.fresh = _snapshot(plan, args, kwargs, tensors)
+        if len(self.shadow) and self.shadow.has_any(tensors):
+            for t in tensors:
+                sh = self.shadow.get(t)
+                if sh is not None:
+                    pending.shadow_subst[id(t)] = sh
+        return pending
+
+    def _after(
+        self, func: Any, p: _Pending, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, op_s: float
+    ) -> None:
+        if p.reason is not None:
+            self._unchecked(func, p.plan, p.seq, p.module, p.phase, p.reason, args, kwargs, out, p.tensors, p.signature)
             # The mode's own time on this call (everything but the op itself) counts against --budget.
-            self.budget.extra_s += self.clock() - t_entry - op_s
-            return out
-        return self._check(func, plan, seq, module, phase, args, kwargs, tensors, signature)
+            self.budget.extra_s += self.clock() - p.t_entry - op_s
+            return
+        self._check(func, p, args, kwargs, out, op_s)
+
+    def _internal_error(self, func: Any, err: Exception) -> None:
+        """tpudiag failed on this call: recorded, the call counted as skipped, the op never checked again."""
+        name = _op_name(func)
+        internal_errors.current().record("numerics", name, err)
+        self.broken.add(func)
+        self._count_broken(func)
+
+    def _count_broken(self, func: Any) -> None:
+        try:
+            phase = "backward" if torch._C._current_graph_task_id() >= 0 else "forward"
+            self.recorder.aggregate(self.seq, _op_name(func), phase, None, "tpudiag_error", 0.0, None)
+        except Exception:
+            pass
 
     def _skip_reason(
         self, func: Any, plan: OpPlan, module: str | None, tensors: list[torch.Tensor], now: float
@@ -338,33 +400,10 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     # -- checked calls --------------------------------------------------------------------------------------
     def _check(
-        self,
-        func: Any,
-        plan: OpPlan,
-        seq: int,
-        module: str | None,
-        phase: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        tensors: list[torch.Tensor],
-        signature: tuple[Any, ...] | None,
-    ) -> Any:
-        t0 = self.clock()
-        snap: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-        fresh: set[int] = set()
-        if plan.mutates:
-            # Arguments the op writes (and any argument sharing their storage), as they were before the write.
-            with _tool_range():
-                snap, fresh = _snapshot(plan, args, kwargs, tensors)
-        shadow_subst: dict[int, torch.Tensor] = {}
-        if len(self.shadow) and self.shadow.has_any(tensors):
-            for t in tensors:
-                s = self.shadow.get(t)
-                if s is not None:
-                    shadow_subst[id(t)] = s
-        t_op = self.clock()
-        out = func(*args, **kwargs)
-        op_s = self.clock() - t_op
+        self, func: Any, p: _Pending, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, op_s: float
+    ) -> None:
+        plan, seq, module, phase, tensors, signature = p.plan, p.seq, p.module, p.phase, p.tensors, p.signature
+        snap, fresh, shadow_subst, t0 = p.snap, p.fresh, p.shadow_subst, p.t_check
         src_args, src_kwargs = snap if snap is not None else (args, kwargs)
         outputs = oracle.targets(plan, args, kwargs, out)
         dtypes, shapes, _ = self._described(signature, tensors)
@@ -435,7 +474,6 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     findings.first = f"{plan.name} seq {seq} ({module or 'no module'})"
                 if self.ctx.on_divergence is not None:
                     self.ctx.on_divergence(record, divergent[0])
-        return out
 
     def _compare(
         self,
@@ -694,6 +732,31 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 base["autocast"] = autocast
             text = self._precision_cache[state] = json.dumps(base, sort_keys=True)
         return text
+
+
+@dataclass
+class _Pending:
+    """What ``_before`` learnt about a call, for ``_after`` once the op has run."""
+
+    plan: OpPlan
+    seq: int
+    module: str | None
+    phase: str
+    tensors: list[torch.Tensor]
+    signature: tuple[Any, ...] | None
+    reason: str | None  # why the call is not checked, or None
+    t_entry: float
+    snap: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    fresh: set[int] = dataclasses.field(default_factory=set)
+    shadow_subst: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    t_check: float = 0.0
+
+
+def _op_name(func: Any) -> str:
+    try:
+        return f"{getattr(func, 'namespace', 'aten')}::{func.overloadpacket.__name__}"
+    except Exception:
+        return str(func)
 
 
 class _OracleFailed(Exception):

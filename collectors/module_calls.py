@@ -1,0 +1,229 @@
+"""One process-wide instrumentation point for ``nn.Module`` calls that torch.compile never sees.
+
+Why not global module hooks (``register_module_forward_pre_hook``): Dynamo reads the global hook dicts while it
+traces.  With any hook registered it traces ``Module._call_impl`` instead of ``forward``, inlines the hooks into
+the graph (a hook that touches Python state then fails with "... is already tracked for mutation"), and guards
+on the dicts' lengths, so adding or removing a hook between steps recompiles.  Compiled code would differ from a
+run without tpudiag.
+
+Instead ``nn.Module.__call__`` is wrapped here, once, for every listener:
+
+- While Dynamo compiles a frame (its compile start/end callbacks) the original ``__call__`` is put back, so Dynamo
+  finds exactly the module class it finds without tpudiag (it short-circuits to ``forward`` only when
+  ``__call__`` is torch's own) and has nothing of ours to trace or guard.
+- At run time, compiled code never calls ``__call__`` for the modules it inlined; the wrapper runs only around
+  module calls made by eager Python.
+- The wrapper's own frame is skipped by Dynamo's frame evaluation (nested frames keep the default treatment, so
+  a compiled ``forward`` inside still compiles), and the listeners run in frames Dynamo skips recursively: a
+  graph-break gap in a compiled function never turns tpudiag code into a compiled frame of its own.
+- A listener that raises is recorded in ``tpudiag.internal_errors`` and skipped; the module call goes on.
+
+A listener has ``enter(module, args, kwargs) -> token`` and ``exit(module, token, output, failed)``.  Listeners
+enter in the order they were added and exit in reverse.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from tpudiag import internal_errors
+
+
+class Listener(Protocol):
+    def enter(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+
+    def exit(self, module: torch.nn.Module, token: Any, output: Any, failed: bool) -> None: ...
+
+
+_FAILED = object()
+_lock = threading.Lock()
+_listeners: tuple[Listener, ...] = ()
+_original: Callable[..., Any] | None = None
+_compiling = 0  # Dynamo compiles in progress (the original __call__ is in place meanwhile)
+_callbacks: tuple[Any, Any] | None = None
+
+
+def add(listener: Listener) -> None:
+    """Start calling ``listener`` around every eager module call (installs the wrapper on first use)."""
+    global _listeners
+    with _lock:
+        if listener in _listeners:
+            return
+        if not _listeners:
+            _install()
+        _listeners = (*_listeners, listener)
+
+
+def remove(listener: Listener) -> None:
+    global _listeners
+    with _lock:
+        if listener not in _listeners:
+            return
+        _listeners = tuple(x for x in _listeners if x is not listener)
+        if not _listeners:
+            _uninstall()
+
+
+def installed() -> bool:
+    return _original is not None
+
+
+# -- the wrapper ------------------------------------------------------------------------------------------------
+def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    original = _original or _torch_call
+    listeners = _listeners
+    if not listeners or torch.compiler.is_compiling():
+        return original(self, *args, **kwargs)
+    tokens = _enter_all(listeners, self, args, kwargs)
+    try:
+        output = original(self, *args, **kwargs)
+    except BaseException:
+        _exit_all(listeners, tokens, self, None, True)
+        raise
+    _exit_all(listeners, tokens, self, output, False)
+    return output
+
+
+def _enter_all(
+    listeners: tuple[Listener, ...], module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Any]:
+    tokens: list[Any] = []
+    for listener in listeners:
+        try:
+            tokens.append(listener.enter(module, args, kwargs))
+        except Exception as err:
+            internal_errors.current().record("module hooks", f"{type(listener).__name__}.enter", err)
+            tokens.append(_FAILED)
+    return tokens
+
+
+def _exit_all(
+    listeners: tuple[Listener, ...], tokens: list[Any], module: torch.nn.Module, output: Any, failed: bool
+) -> None:
+    for listener, token in zip(reversed(listeners), reversed(tokens), strict=True):
+        if token is _FAILED:
+            continue
+        try:
+            listener.exit(module, token, output, failed)
+        except Exception as err:
+            internal_errors.current().record("module hooks", f"{type(listener).__name__}.exit", err)
+
+
+_torch_call: Callable[..., Any] = torch.nn.Module.__call__
+
+
+# -- installing -------------------------------------------------------------------------------------------------
+def _install() -> None:
+    global _original
+    # Dynamo keeps torch's own __call__ as "unpatched" when it is first imported: import it before patching.
+    try:
+        import torch._dynamo.utils
+    except Exception as err:
+        internal_errors.current().record("module hooks", "import torch._dynamo", err)
+    _mark_for_dynamo()
+    _original = torch.nn.Module.__call__
+    _register_compile_callbacks()
+    if not _compiling:
+        torch.nn.Module.__call__ = _call  # type: ignore[method-assign]
+
+
+def _uninstall() -> None:
+    global _original
+    if _original is None:
+        return
+    if torch.nn.Module.__call__ is _call:
+        torch.nn.Module.__call__ = _original  # type: ignore[method-assign]
+    _unregister_compile_callbacks()
+    _original = None
+
+
+def _on_compile_start(*_args: Any) -> None:
+    global _compiling
+    try:
+        with _lock:
+            _compiling += 1
+            if _original is not None and torch.nn.Module.__call__ is _call:
+                torch.nn.Module.__call__ = _original  # type: ignore[method-assign]
+    except Exception as err:
+        internal_errors.current().record("module hooks", "compile start callback", err)
+
+
+def _on_compile_end(*_args: Any) -> None:
+    global _compiling
+    try:
+        with _lock:
+            _compiling = max(0, _compiling - 1)
+            if not _compiling and _original is not None and torch.nn.Module.__call__ is _original:
+                torch.nn.Module.__call__ = _call  # type: ignore[method-assign]
+    except Exception as err:
+        internal_errors.current().record("module hooks", "compile end callback", err)
+
+
+def _register_compile_callbacks() -> None:
+    global _callbacks
+    if _callbacks is not None:
+        return
+    try:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(_on_compile_start)
+        callback_handler.register_end_callback(_on_compile_end)
+        _callbacks = (_on_compile_start, _on_compile_end)
+    except Exception as err:
+        internal_errors.current().record("module hooks", "register compile callbacks", err)
+
+
+def _unregister_compile_callbacks() -> None:
+    global _callbacks
+    if _callbacks is None:
+        return
+    try:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.remove_start_callback(_callbacks[0])
+        callback_handler.remove_end_callback(_callbacks[1])
+    except Exception as err:
+        internal_errors.current().record("module hooks", "remove compile callbacks", err)
+    _callbacks = None
+
+
+_marked = False
+
+
+def _skip_frame(code: Any, with_callees: bool) -> None:
+    """Dynamo skips frames of ``code`` (and, ``with_callees``, every frame they call)."""
+    from torch._dynamo.eval_frame import set_code_exec_strategy  # type: ignore[attr-defined]
+    from torch._dynamo.types import FrameAction, FrameExecStrategy  # type: ignore[attr-defined]
+
+    callees = FrameAction.SKIP if with_callees else FrameAction.DEFAULT
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, callees))
+
+
+def _mark_for_dynamo() -> None:
+    """The wrapper's frame is skipped by Dynamo (frames it calls are not); listener frames are skipped with all
+    they call.  Private API (torch >= 2.5), so a failure only costs the marking, recorded."""
+    global _marked
+    if _marked:
+        return
+    _marked = True
+    try:
+        _skip_frame(_call.__code__, with_callees=False)
+        for fn in (_enter_all, _exit_all, _on_compile_start, _on_compile_end):
+            _skip_frame(fn.__code__, with_callees=True)
+    except Exception as err:
+        internal_errors.current().record("module hooks", "mark frames for Dynamo", err)
+
+
+def skip_in_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a tpudiag callback that torch may call from inside a compiled function's eager parts (optimizer hooks,
+    logging handlers): Dynamo skips its frame and everything it calls.  Returns ``fn``."""
+    try:
+        code = getattr(fn, "__code__", None) or fn.__func__.__code__  # type: ignore[attr-defined]
+        _skip_frame(code, with_callees=True)
+    except Exception as err:
+        internal_errors.current().record("module hooks", "mark frames for Dynamo", err)
+    return fn
