@@ -100,7 +100,8 @@ def current() -> InternalErrors:
     return _current
 
 
-def begin(run_dir: Path) -> InternalErrors:
+def begin(run_dir: Path | None) -> InternalErrors:
+    """A fresh count for a new capture (``run_dir`` None: counted only, no errors.txt)."""
     global _current
     _current = InternalErrors(run_dir)
     return _current

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpudiag.analysis.step_summary import StepSpan, summarize_steps
+from tpudiag.internal_errors import NOTE_PREFIX
 from tpudiag.store import Store, queries
 
 RUN_KEYS = (
@@ -81,6 +82,10 @@ def _load_section(spec: str) -> tuple[Builder, Renderer]:
 def build(store: Store, run: dict[str, Any], top: int = 20) -> dict[str, Any]:
     report: dict[str, Any] = {
         "run": run_summary(run),
+        # tpudiag's own failures inside the script (caught; the script was not affected), or None.
+        "internal_errors": next(
+            (n.removeprefix(NOTE_PREFIX).strip() for n in run.get("notes") or [] if n.startswith(NOTE_PREFIX)), None
+        ),
         "slow_ops": queries.slow_ops(store, run["id"], limit=top),
         "steps": steps_section(store, run["id"]),
         "numerics": None,

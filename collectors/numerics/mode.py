@@ -525,6 +525,9 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             skip = plan.skip_outputs.get(i)
             dev_t = oracle.as_tensor(dev)
             exp_t = oracle.as_tensor(exp)
+            if skip is None and (dev_t.layout != torch.strided or exp_t.layout != torch.strided):
+                # Sparse results are compared as the dense tensors they stand for (the metrics need strided data).
+                dev_t, exp_t = _dense_of(dev_t), _dense_of(exp_t)
             if skip is None and dev_t.shape != exp_t.shape:
                 skip = "shape_mismatch"
             if skip is None and dev_t.numel() > self.ctx.size_cap:
@@ -600,14 +603,14 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     ).verdict
                     in DIVERGENT
                 )
-                if prop_div and isinstance(dev, torch.Tensor):
+                if prop_div and _strided(dev):
                     self.shadow.set(dev, oracle.as_tensor(shadowed[i]))
-            if not prop_div and isinstance(dev, torch.Tensor):
+            if not prop_div and _strided(dev):
                 if verdict.verdict in DIVERGENT and not is_discrete(dev_t.dtype):
                     self.shadow.set(dev, exp_t)
                 else:
                     self.shadow.forget(dev)
-            if dev64 is not None and copies is not None and isinstance(dev, torch.Tensor) and id(dev) not in fresh:
+            if dev64 is not None and copies is not None and _strided(dev) and id(dev) not in fresh:
                 copies.put(dev, dev64)
             diffs.append(
                 self._diff_row(seq, i, m, ref_m, verdict, role(verdict.verdict, prop_div), prop_err, emulated, plan)
@@ -788,6 +791,15 @@ def _tool_range() -> Any:
     if torch._C._autograd._profiler_enabled():
         return torch.autograd.profiler.record_function(TOOL_RANGE)
     return contextlib.nullcontext()
+
+
+def _strided(x: Any) -> bool:
+    """A tensor with storage of its own layout (the shadow stream and the copy cache key on its storage)."""
+    return isinstance(x, torch.Tensor) and x.layout == torch.strided
+
+
+def _dense_of(t: torch.Tensor) -> torch.Tensor:
+    return t.to_dense() if t.layout != torch.strided else t
 
 
 def _dense(t: torch.Tensor) -> bool:
