@@ -3,7 +3,14 @@
 import _results
 import torch
 import transformers
-from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration, ViTConfig, ViTForImageClassification
+from transformers import (
+                                  BertConfig,
+                                  BertForMaskedLM,
+                                  T5Config,
+                                  T5ForConditionalGeneration,
+                                  ViTConfig,
+                                  ViTForImageClassification,
+)
 
 transformers.logging.set_verbosity_error()
 torch.manual_seed(0)
