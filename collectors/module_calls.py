@@ -74,9 +74,13 @@ def installed() -> bool:
 
 # -- the wrapper ------------------------------------------------------------------------------------------------
 def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if torch.compiler.is_compiling():
+        # Only if Dynamo ever traces this function (it should not: see the module's docstring): the first branch
+        # it sees calls torch's own __call__, with no tpudiag state read, so nothing of tpudiag's is guarded on.
+        return _torch_call(self, *args, **kwargs)
     original = _original or _torch_call
     listeners = _listeners
-    if not listeners or torch.compiler.is_compiling():
+    if not listeners:
         return original(self, *args, **kwargs)
     tokens = _enter_all(listeners, self, args, kwargs)
     try:

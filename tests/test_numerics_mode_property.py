@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tpudiag import internal_errors
@@ -127,6 +128,11 @@ def _metadata(tree: Any) -> Any:
     return tree_map(lambda x: (x.dtype, x.shape, x.stride()) if isinstance(x, torch.Tensor) else x, tree)
 
 
+class _PassThrough(TorchDispatchMode):  # type: ignore[misc]
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
 def _mode() -> Any:
     from tpudiag.collectors.numerics.mode import Context, NumericsMode
     from tpudiag.collectors.numerics.records import Recorder
@@ -166,8 +172,14 @@ def test_mode_changes_no_result_and_never_fails(call: tuple[Any, Any, torch.dtyp
     where = f"{info.name}.{info.variant_test_name} {dtype} {form}"
     assert errors.total() == 0, f"{where}: tpudiag failed inside the mode: {errors.summary()}"
     assert moded_status == plain_status, where
-    if plain_status == "ok" and "empty" in info.name:  # uninitialised memory by design: only the metadata
+    if plain_status != "ok":
+        return
+    if "empty" in info.name or info.name.startswith("resize"):  # uninitialised memory by design: metadata only
         plain_out, moded_out = _metadata(plain_out), _metadata(moded_out)
-    if plain_status == "ok":
-        assert _bits(moded_out) == _bits(plain_out), f"{where}: result differs under the mode"
-        assert _bits(moded_inputs) == _bits(plain_inputs), f"{where}: inputs differ after the call under the mode"
+    if _bits(moded_out) != _bits(plain_out):
+        # Some composite ops take another path under *any* dispatch mode (linalg.svdvals, eigvalsh, cond, pinv
+        # compute with compute_uv=True once the Python key is set): then tpudiag must add nothing beyond what a
+        # pass-through mode does.
+        _, passthrough_out, _ = _call(info, sample, form, _PassThrough())
+        assert _bits(moded_out) == _bits(passthrough_out), f"{where}: result differs under the mode"
+    assert _bits(moded_inputs) == _bits(plain_inputs), f"{where}: inputs differ after the call under the mode"

@@ -42,7 +42,7 @@ def train(model, call, steps, shapes=((8, 16),)):
 
 for backend in backends:
     m = mlp()
-    loss = train(m, torch.compile(m, backend=backend), 3)
+    loss = train(m, torch.compile(m, backend=backend), 6)  # watched steps, then unwatched ones
     _results.add(f"{backend} compile(model)", [loss, _results.params(m)])
 
     m = mlp()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import re
 from dataclasses import dataclass
 
@@ -19,12 +21,16 @@ def clip(text: str | None, limit: int = MAX_TEXT) -> str | None:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__ or "")).replace("\\", "/").rsplit("/analysis", 1)[0] + "/"
+
+
 def is_torch_internal(path: str | None) -> bool:
-    """A file of torch itself (a wrapper frame such as ``external_utils.inner``), not the user's code."""
+    """A file of torch itself (a wrapper frame such as ``external_utils.inner``) or of tpudiag (the module-call
+    wrapper sits on the stack of every compiled module call during a capture), not the user's code."""
     if not path:
         return False
     p = path.replace("\\", "/")
-    return "-packages/torch/" in p or "/torch/_dynamo/" in p
+    return "-packages/torch/" in p or "/torch/_dynamo/" in p or p.startswith(_OWN_DIR)
 
 
 def recompile_reasons(text: str | None) -> list[str]:
