@@ -48,6 +48,7 @@ Renderer = Callable[[Any], list[str]]
 SECTIONS: dict[str, str] = {
     "compile": "tpudiag.compile_report:build_section:render_section",
     "numerics": "tpudiag.numerics_report:build_section:render_section",
+    "hlo_ops": "tpudiag.hlo_report:build_section:render_section",
 }
 
 
@@ -85,6 +86,7 @@ def build(store: Store, run: dict[str, Any], top: int = 20) -> dict[str, Any]:
         "steps": steps_section(store, run["id"]),
         "numerics": None,
         "compile": None,
+        "hlo_ops": None,
     }
     for key, spec in SECTIONS.items():
         builder, _ = _load_section(spec)
@@ -107,12 +109,21 @@ def table(headers: list[str], rows: list[list[str]], right: set[int] | None = No
     return [fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
 
 
-def _us(v: float) -> str:
+def human_us(v: float) -> str:
+    """Microseconds in the unit a reader takes in at a glance: ``1.23 s``, ``4.56 ms``, ``7.8 us``."""
     if v >= 1e6:
         return f"{v / 1e6:.2f} s"
     if v >= 1e3:
         return f"{v / 1e3:.2f} ms"
     return f"{v:.1f} us"
+
+
+def human_s(v: float | None) -> str:
+    """Seconds (None: unknown) in the same units as op times."""
+    return "?" if v is None else human_us(v * 1e6)
+
+
+_us = human_us
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -128,10 +139,7 @@ def render_text(report: dict[str, Any]) -> str:
         lines.append(f"run {run['id']}  {run['name']!r}  [{run['status']}, exit {run['exit_code']}]")
         lines.append(f"  script: {run['script']} {' '.join(run['argv'] or [])}".rstrip())
         dur = run["duration_s"]
-        lines.append(
-            f"  started {started}, {dur if dur is not None else '?'} s on {run['host']} ({device}); "
-            f"torch {run['torch_version']}"
-        )
+        lines.append(f"  started {started}, {human_s(dur)} on {run['host']} ({device}); torch {run['torch_version']}")
     for note in run.get("notes") or []:
         lines.append(f"  note: {note}")
     for key, spec in SECTIONS.items():
@@ -142,13 +150,10 @@ def render_text(report: dict[str, Any]) -> str:
     lines.append("")
     if steps["count"]:
         steady = steps["steady_median_s"]
-        lines.append(
-            f"steps: {steps['count']} ({steps['kind']}); first {steps['first_s']:.4f} s; steady median "
-            f"{steady:.4f} s; outside steps {steps['outside_steps_s']} s"
-            if steady is not None
-            else f"steps: {steps['count']} ({steps['kind']}); first {steps['first_s']:.4f} s; outside steps "
-            f"{steps['outside_steps_s']} s"
-        )
+        head = f"steps: {steps['count']} ({steps['kind']}); first {human_s(steps['first_s'])}"
+        if steady is not None:
+            head += f"; steady median {human_s(steady)}"
+        lines.append(f"{head}; outside steps {human_s(steps['outside_steps_s'])}")
         shapes = {json.dumps(s["input_shapes"]) for s in steps["per_step"] if s["input_shapes"] is not None}
         if len(shapes) > 1:
             lines.append(

@@ -31,6 +31,7 @@ from tpudiag.traces import decodepool, xplane_events
 DEVICE_LINE_CATEGORIES = {
     "XLA Ops": "xla_op",
     "XLA Modules": "xla_module",
+    "Async XLA Ops": "xla_async_op",  # async copies and collectives, overlapping the ops line: not busy time
     "Steps": "xla_step",
     "device": "kernel",  # GPU stream events
 }
