@@ -96,7 +96,7 @@ def _pct(v: float | None) -> str:
 def render_section(section: dict[str, Any]) -> list[str]:
     from tpudiag.report import table
 
-    lines = ["XLA device time per chip (HLO ops; async copies/collectives overlap and are listed apart):"]
+    lines = ["XLA time per device (HLO ops; async copies/collectives overlap and are listed apart):"]
     rows = [
         [
             d["device"] + (f" ({d['device_type']})" if d["device_type"] else ""),
@@ -107,6 +107,7 @@ def render_section(section: dict[str, Any]) -> list[str]:
         ]
         for d in section["devices"]
     ]
+    # A CPU backend's ops run on host threads: "device" is the host CPU, with no peak rates in the trace.
     lines += [
         "  " + line for line in table(["chip", "busy", "span", *KINDS, "async line"], rows, right=set(range(1, 7)))
     ]

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     import duckdb
 
 XLA_OP_CATEGORY = "xla_op"
+HOST_XLA_OP_CATEGORY = "xla_host_op"  # XLA's CPU runtime runs HLO ops on host threads (tf_XLAEigen/...)
+HLO_OP_CATEGORIES = [XLA_OP_CATEGORY, HOST_XLA_OP_CATEGORY]
 ASYNC_OP_CATEGORY = "xla_async_op"
 # HLO categories (``hlo_category`` stat, XProf's names) by what the op spends its time on.
 _COLLECTIVE_WORDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective", "send", "recv")
@@ -40,8 +42,8 @@ def _dicts(cur: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
 def has_hlo_ops(store: Store, run_id: str) -> bool:
     with store.reader() as r:
         rows = r.execute(
-            "SELECT count(*) FROM (SELECT 1 FROM trace_events WHERE run_id = ? AND category = ? LIMIT 1)",
-            [run_id, XLA_OP_CATEGORY],
+            "SELECT count(*) FROM (SELECT 1 FROM trace_events WHERE run_id = ? AND list_contains(?, category) LIMIT 1)",
+            [run_id, HLO_OP_CATEGORIES],
         ).fetchall()
     return bool(rows[0][0])
 
@@ -62,7 +64,7 @@ def hlo_ops(store: Store, run_id: str, limit: int | None = 20) -> list[dict[str,
                            json_extract_string(args, '$.hlo_module') AS module, name, hlo_category,
                            framework_op, split_part(process, ':', -2) || ':' || split_part(process, ':', -1) AS device,
                            self_ns, dur_ns, flops, bytes_accessed
-                    FROM trace_events WHERE run_id = ? AND category = ?
+                    FROM trace_events WHERE run_id = ? AND list_contains(?, category)
                 ), per_device AS (
                     SELECT program_id, name, device, sum(self_ns) AS self_ns
                     FROM ops GROUP BY program_id, name, device
@@ -78,7 +80,7 @@ def hlo_ops(store: Store, run_id: str, limit: int | None = 20) -> list[dict[str,
                 ORDER BY self_us DESC, o.name
                 """
                 + (" LIMIT ?" if limit is not None else ""),
-                [run_id, XLA_OP_CATEGORY, *([limit] if limit is not None else [])],
+                [run_id, HLO_OP_CATEGORIES, *([limit] if limit is not None else [])],
             )
         )
     for row in rows:
@@ -105,6 +107,6 @@ def device_totals(store: Store, run_id: str) -> list[dict[str, Any]]:
                 GROUP BY device, category, hlo_category, name
                 ORDER BY device
                 """,
-                [run_id, [XLA_OP_CATEGORY, ASYNC_OP_CATEGORY]],
+                [run_id, [*HLO_OP_CATEGORIES, ASYNC_OP_CATEGORY]],
             )
         )

@@ -36,6 +36,8 @@ DEVICE_LINE_CATEGORIES = {
     "device": "kernel",  # GPU stream events
 }
 HOST_OP_CATEGORY = "cpu_op"
+HOST_XLA_OP_CATEGORY = "xla_host_op"  # an HLO op run by XLA's CPU runtime on a host thread
+_HLO_OP = re.compile(r"(?:^|,)hlo_op=[^,]")
 _STEP_NUM = re.compile(r"(?:^|,)step_num=(\d+)")
 _TRAILING_INT = re.compile(r"(\d+)$")
 _HLO_CATEGORY = re.compile(r"(?:^|,)hlo_category=([^,]*)")
@@ -234,7 +236,7 @@ def to_tables(
         "process": _strings(process, kind),
         "thread": _strings(thread, kind),
         "name": name_column,
-        "category": _strings(category, kind),
+        "category": _strings(_group_categories(ev, category), group),
         "start_ns": pa.array(start),
         "dur_ns": pa.array(dur),
         "self_ns": pa.array(np.where(on_device, ev.self_time_ns, _host_self(parent, dur))),
@@ -260,6 +262,17 @@ def to_tables(
     )
     devices = {p.split(":", 1)[-1] for p, dev in zip(process, on_device_k.tolist(), strict=True) if dev}
     return XPlaneTables(events=table, steps=steps, devices=sorted(devices))
+
+
+def _group_categories(ev: xplane_events.EventColumns, kind_category: list[str]) -> list[str | None]:
+    """Category of each group: its kind's, except host events that XLA's CPU (or GPU host) runtime stamps with the
+    HLO op they run (an ``hlo_op`` stat: ``fusion.3`` on a ``tf_XLAEigen/...`` thread), which are the program's ops."""
+    kinds = ev.group_kind.tolist()
+    out: list[str | None] = [kind_category[k] for k in kinds]
+    for g, args in enumerate(ev.trace_args):
+        if args and out[g] == "host" and _HLO_OP.search(args):
+            out[g] = HOST_XLA_OP_CATEGORY
+    return out
 
 
 def _strings(values: Sequence[str | None], group: np.ndarray[Any, Any]) -> pa.Array:
