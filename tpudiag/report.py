@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpudiag.analysis.step_summary import StepSpan, summarize_steps
-from tpudiag.store import Store, queries
+from tpudiag.store import Store, queries, step_queries
 
 RUN_KEYS = (
     "id",
@@ -58,14 +58,21 @@ def run_summary(run: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def steps_section(store: Store, run_id: str) -> dict[str, Any]:
+def steps_section(store: Store, run_id: str, run: dict[str, Any] | None = None) -> dict[str, Any]:
     rows = queries.steps(store, run_id)
     spans = [StepSpan(r["step"], r["start_ns"], r["dur_ns"], r["kind"], r["input_shapes"]) for r in rows]
-    summary = summarize_steps(spans, queries.trace_span_ns(store, run_id))
+    run = run or queries.resolve_run(store, run_id)
+    # A capture measured its script's run time; an import has only the trace.
+    script_s = run.get("duration_s") if run.get("source") != "import" else None
+    tool, tool_total = step_queries.tool_ns_by_step(store, run_id)
+    summary = summarize_steps(
+        spans, step_queries.op_span_ns(store, run_id), script_s, tool if tool_total else None, tool_total or None
+    )
     summary["per_step"] = [
         {
             "step": s.step,
             "dur_s": round(s.dur_ns / 1e9, 6),
+            **({"tpudiag_s": round(tool.get(s.step, 0) / 1e9, 6)} if tool_total else {}),
             "input_shapes": json.loads(s.input_shapes) if s.input_shapes else None,
         }
         for s in spans[:MAX_STEPS_LISTED]
@@ -83,7 +90,7 @@ def build(store: Store, run: dict[str, Any], top: int = 20) -> dict[str, Any]:
     report: dict[str, Any] = {
         "run": run_summary(run),
         "slow_ops": queries.slow_ops(store, run["id"], limit=top),
-        "steps": steps_section(store, run["id"]),
+        "steps": steps_section(store, run["id"], run),
         "numerics": None,
         "compile": None,
         "hlo_ops": None,
@@ -154,6 +161,12 @@ def render_text(report: dict[str, Any]) -> str:
         if steady is not None:
             head += f"; steady median {human_s(steady)}"
         lines.append(f"{head}; outside steps {human_s(steps['outside_steps_s'])}")
+        if steps.get("tpudiag_in_steps_s"):
+            bare = steps.get("steady_median_without_tpudiag_s")
+            lines.append(
+                f"  of which tpudiag's own (numerics checker): {human_s(steps['tpudiag_in_steps_s'])} inside steps"
+                + (f", steady median without it {human_s(bare)}" if bare is not None else "")
+            )
         shapes = {json.dumps(s["input_shapes"]) for s in steps["per_step"] if s["input_shapes"] is not None}
         if len(shapes) > 1:
             lines.append(
