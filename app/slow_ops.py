@@ -7,7 +7,7 @@ from typing import Any
 
 import streamlit as st
 
-from tpudiag.app import charts
+from tpudiag.app import charts, xla_ops
 from tpudiag.app.common import current_run, fmt_ns, fmt_num, guarded, load, not_captured, run_heading
 from tpudiag.store import Store, queries
 from tpudiag.store import dashboard_queries as q
@@ -95,6 +95,7 @@ def render(s: Store) -> None:
     if tree is not None:
         right.plotly_chart(tree, key="so_tree")
     st.dataframe(top_table(view.top, int(view.totals["self_ns"]), grouping), hide_index=True, key="so_table")
+    xla_ops.render(s, run)  # XLA runs: per chip, per HLO op, against the chip's peaks
 
     if view.steps:
         st.subheader("Steps")
