@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tpudiag.analysis.step_summary import StepSpan, summarize_steps
-from tpudiag.store import Store, queries, step_queries
+from tpudiag.display import host_op_kind
+from tpudiag.store import Store, hlo_queries, queries, step_queries
 
 RUN_KEYS = (
     "id",
@@ -40,6 +41,7 @@ RUN_KEYS = (
     "artifacts_dir",
 )
 MAX_STEPS_LISTED = 500
+KIND_ORDER = {"compute": 0, "copy": 1, "collective": 2, "other": 3, "autograd": 4}
 
 Builder = Callable[[Store, dict[str, Any]], Any]
 Renderer = Callable[[Any], list[str]]
@@ -98,7 +100,21 @@ def build(store: Store, run: dict[str, Any], top: int = 20) -> dict[str, Any]:
     for key, spec in SECTIONS.items():
         builder, _ = _load_section(spec)
         report[key] = builder(store, run)
+    _add_op_kinds(store, run["id"], report["slow_ops"])
     return report
+
+
+def _add_op_kinds(store: Store, run_id: str, ops: list[dict[str, Any]]) -> None:
+    """Each slow op's ``kind``: compute / autograd / other on host; compute / copy / collective on device."""
+    if not ops:
+        return
+    if ops[0].get("time_source") == "device":
+        for o in ops:
+            o["kind"] = hlo_queries.op_kind(None, o["name"])
+        return
+    hlo = {o["name"] for o in hlo_queries.hlo_ops(store, run_id, limit=None)} if ops else set()
+    for o in ops:
+        o["kind"] = host_op_kind(o["name"], "xla_host_op" if o["name"] in hlo else None)
 
 
 # -- text ---------------------------------------------------------------------------------------------------------
@@ -131,6 +147,10 @@ def human_s(v: float | None) -> str:
 
 
 _us = human_us
+
+
+def _op_row(o: dict[str, Any]) -> list[str]:
+    return [o["name"], o.get("kind") or "-", o["module"] or "-", str(o["calls"]), _us(o["self_us"]), _us(o["total_us"])]
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -178,13 +198,15 @@ def render_text(report: dict[str, Any]) -> str:
     lines.append("")
     if ops:
         source = ops[0].get("time_source", "host")
-        lines.append(f"slowest ops by self time ({source} time):")
+        lines.append(f"slowest ops by self time ({source} time; compute ops first, then the rest):")
+        # Stable sort: within a kind the ranking by self time stays; autograd bookkeeping comes after the ops.
+        shown = sorted(ops, key=lambda o: KIND_ORDER.get(o.get("kind") or "other", len(KIND_ORDER)))
         lines += [
             "  " + line
             for line in table(
-                ["op", "module", "calls", "self", "total"],
-                [[o["name"], o["module"] or "-", str(o["calls"]), _us(o["self_us"]), _us(o["total_us"])] for o in ops],
-                right={2, 3, 4},
+                ["op", "kind", "module", "calls", "self", "total"],
+                [_op_row(o) for o in shown],
+                right={3, 4, 5},
             )
         ]
     else:
