@@ -82,6 +82,8 @@ def test_device_self_time_per_hlo_op_matches_xprof(imported: dict[str, Any]) -> 
         key = next(k for k in reference if k[1] == name)
         assert abs(ours[key][1] / 1e6 - xprof_s) < 0.01
     assert_agrees(ours, reference)
+    for o in ops:  # the framework op (JAX's "jit(f)/jit(main)/add:", no type) is XProf's, without the empty type
+        assert o["framework_op"] == (reference[(o["program_id"], o["name"])]["tf_op_name"].removesuffix(":") or None)
 
 
 def test_report_breaks_time_down_per_chip_kind_and_peak(imported: dict[str, Any]) -> None:

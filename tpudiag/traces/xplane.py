@@ -336,7 +336,8 @@ def _framework_op(tf_op: str | None) -> str | None:
     if not tf_op:
         return None
     m = _NAME_TYPE.match(tf_op)
-    return m.group(1) if m else tf_op
+    # JAX writes an op with no type as ``jit(f)/jit(main)/add:``: the name without its empty type.
+    return m.group(1) if m else tf_op.removesuffix(":") or tf_op
 
 
 def _host_self(parent: np.ndarray[Any, Any], dur: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
