@@ -395,6 +395,8 @@ def _device_times(xp: _Plane, ln: _Line, nested: bool) -> tuple[Array, Array]:
     use the device span, and an op's self time is its span less the spans of the ops nested in it on the same line
     (``nested``: an ``XLA Ops`` line).  The start stays host-aligned, so the timeline lines up with host threads.
     """
+    if not any(ln.raws):  # no event has stats of its own (no device span): the host span is all there is
+        return ln.end_ns, _host_self_ns(ln, nested)
     offset = np.full(len(ln.keys), -1, dtype=np.int64)
     duration = np.full(len(ln.keys), -1, dtype=np.int64)
     for i, (_, raw) in enumerate(ln.keys):
@@ -411,6 +413,13 @@ def _device_times(xp: _Plane, ln: _Line, nested: bool) -> tuple[Array, Array]:
         return end_ns, _ns(dur_ps)
     _, _, self_ps = tree.nest_arrays(np.zeros(len(dur_ps), dtype=np.int64), start_ps, dur_ps)
     return end_ns, _ns(self_ps)
+
+
+def _host_self_ns(ln: _Line, nested: bool) -> Array:
+    if not nested or len(ln.dur_ps) == 0:
+        return ln.dur_ps // 1000
+    start_ps = (ln.start_ns - int(ln.line.timestamp_ns)) * 1000
+    return tree.nest_arrays(np.zeros(len(ln.dur_ps), dtype=np.int64), start_ps, ln.dur_ps)[2] // 1000
 
 
 def _ns(ps: Array) -> Array:
