@@ -198,7 +198,7 @@ def render_text(report: dict[str, Any]) -> str:
     lines.append("")
     if ops:
         source = ops[0].get("time_source", "host")
-        lines.append(f"slowest ops by self time ({source} time; compute ops first, then the rest):")
+        lines.append(f"slowest ops by self time ({source} time), compute ops first, then the rest:")
         # Stable sort: within a kind the ranking by self time stays; autograd bookkeeping comes after the ops.
         shown = sorted(ops, key=lambda o: KIND_ORDER.get(o.get("kind") or "other", len(KIND_ORDER)))
         lines += [
