@@ -71,9 +71,16 @@ def module_treemap(section: dict[str, Any]) -> go.Figure | None:
     return fig
 
 
-def render(s: Store, run: dict[str, Any]) -> bool:
+def section_of(s: Store, run: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's ``hlo_ops`` report section (None: no HLO ops).  Only TPU runs and imports can hold HLO ops, so a
+    PyTorch CPU/CUDA capture (the common case, possibly millions of events) skips the scan."""
+    if run.get("device_kind") != "tpu" and run.get("source") != "import":
+        return None
+    return build_section(s, run, top=TOP)
+
+
+def render(section: dict[str, Any] | None) -> bool:
     """The XLA part of the page; False when the run has no HLO ops."""
-    section = build_section(s, run, top=TOP)
     if section is None:
         return False
     st.subheader("XLA: per chip and per HLO op")

@@ -39,4 +39,5 @@ def test_slow_ops_page_breaks_tpu_time_down_per_chip(tmp_path: Path, monkeypatch
     assert top["self s (all chips)"] == pytest.approx(77.773, abs=1e-3)
     assert top["per chip s"] == pytest.approx(77.773 / 4, abs=1e-3)
     assert any("4 chips" in c.value for c in at.caption)
+    assert "Op self time (sum of 4 chips)" in {m.label for m in at.metric}
     assert any(c.proto.spec and "HLO op self time by module" in c.proto.spec for c in at.get("plotly_chart"))
