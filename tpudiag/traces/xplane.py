@@ -266,13 +266,19 @@ def to_tables(
 
 def _group_categories(ev: xplane_events.EventColumns, kind_category: list[str]) -> list[str | None]:
     """Category of each group: its kind's, except host events that XLA's CPU (or GPU host) runtime stamps with the
-    HLO op they run (an ``hlo_op`` stat: ``fusion.3`` on a ``tf_XLAEigen/...`` thread), which are the program's ops."""
-    kinds = ev.group_kind.tolist()
-    out: list[str | None] = [kind_category[k] for k in kinds]
-    for g, args in enumerate(ev.trace_args):
-        if args and out[g] == "host" and _HLO_OP.search(args):
-            out[g] = HOST_XLA_OP_CATEGORY
+    HLO op they run (an ``hlo_op`` stat: ``fusion.3`` on a ``tf_XLAEigen/...`` thread), which are the program's ops.
+    The stat is looked for in the kind's and the group's own pairs apart (no per-group string is built)."""
+    kind_hlo = [bool(a) and _has_hlo_op(a) for a in ev.kinds["trace_args"]]
+    own_hlo = [_has_hlo_op(a) for a in ev.own_pairs]
+    out: list[str | None] = []
+    for k, o in zip(ev.group_kind.tolist(), ev.group_own.tolist(), strict=True):
+        cat = kind_category[k]
+        out.append(HOST_XLA_OP_CATEGORY if cat == "host" and (kind_hlo[k] or (o >= 0 and own_hlo[o])) else cat)
     return out
+
+
+def _has_hlo_op(pairs: str) -> bool:
+    return "hlo_op=" in pairs and _HLO_OP.search(pairs) is not None
 
 
 def _strings(values: Sequence[str | None], group: np.ndarray[Any, Any]) -> pa.Array:
