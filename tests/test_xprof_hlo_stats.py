@@ -108,6 +108,9 @@ def test_report_breaks_time_down_per_chip_kind_and_peak(imported: dict[str, Any]
             assert op["hbm_bw_util"] * 1637.993152512e9 == pytest.approx(ref["hbm_bw"] * 2**30, rel=0.01)
     fusion = next(o for o in section["ops"] if o["name"] == "broadcast_add_fusion.1")
     assert fusion["kind"] == "compute" and fusion["gflops_per_s"] == pytest.approx(164.58, rel=0.01)
+    kinds = {o["name"]: o["kind"] for o in json.loads(proc.stdout)["slow_ops"]}
+    assert kinds["jit(_psum)/jit(main)/reduce_sum"] == "collective"  # its device op is an all-reduce
+    assert kinds["copy-done.4"] == "copy" and kinds["jit(f)/jit(main)/add"] == "compute"
     text = run_tpudiag("report", "--db", str(imported["db"]), cwd=imported["work"]).stdout
     assert "TPU:3 (TPU v6 Lite)" in text and "HBM BW util" in text and "77.77 s" in text
 

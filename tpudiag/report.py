@@ -109,8 +109,8 @@ def _add_op_kinds(store: Store, run_id: str, ops: list[dict[str, Any]]) -> None:
     if not ops:
         return
     if ops[0].get("time_source") == "device":
-        for o in ops:
-            o["kind"] = hlo_queries.op_kind(None, o["name"])
+        for o in ops:  # the device op that took most of its time tells (an all-reduce under "reduce_sum")
+            o["kind"] = hlo_queries.op_kind(None, o.get("top_device_op") or o["name"])
         return
     hlo = {o["name"] for o in hlo_queries.hlo_ops(store, run_id, limit=None)} if ops else set()
     for o in ops:
@@ -198,9 +198,13 @@ def render_text(report: dict[str, Any]) -> str:
     lines.append("")
     if ops:
         source = ops[0].get("time_source", "host")
-        lines.append(f"slowest ops by self time ({source} time), compute ops first, then the rest:")
-        # Stable sort: within a kind the ranking by self time stays; autograd bookkeeping comes after the ops.
-        shown = sorted(ops, key=lambda o: KIND_ORDER.get(o.get("kind") or "other", len(KIND_ORDER)))
+        shown = ops
+        if source == "host":
+            lines.append(f"slowest ops by self time ({source} time), compute ops first, then the rest:")
+            # Stable sort: within a kind the ranking by self time stays; autograd bookkeeping comes after the ops.
+            shown = sorted(ops, key=lambda o: KIND_ORDER.get(o.get("kind") or "other", len(KIND_ORDER)))
+        else:  # device time: every op is the device's work, ranked as it is
+            lines.append(f"slowest ops by self time ({source} time):")
         lines += [
             "  " + line
             for line in table(
