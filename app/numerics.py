@@ -11,6 +11,8 @@ import streamlit as st
 
 from tpudiag.app import charts
 from tpudiag.app.common import current_run, db_option, fmt_num, guarded, load, not_captured, run_heading
+from tpudiag.display import device_precision, short_source
+from tpudiag.numerics_report import verdict_line
 from tpudiag.store import Store, queries
 
 ALL = "(all)"
@@ -46,7 +48,7 @@ def repro_command(s: Store, run_id: str, seq: int) -> str:
 
 def precision_text(run: dict[str, Any]) -> str:
     """The run's recorded precision settings as one line, or a plain statement that none were recorded."""
-    prec = run.get("precision") or {}
+    prec = device_precision(run.get("precision") or {}, run.get("device_kind"))
     if not prec:
         return "not recorded"
     return ", ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in sorted(prec.items()))
@@ -59,7 +61,7 @@ def first_divergence_fields(first: dict[str, Any], run: dict[str, Any]) -> list[
         ("seq", fmt_num(first.get("seq"))),
         ("module", first.get("module") or "-"),
         ("phase", first.get("phase") or "-"),
-        ("source", first.get("source_loc") or "-"),
+        ("source", short_source(first.get("source_loc"), run.get("script")) or "-"),
         ("verdict", first.get("verdict") or "-"),
         ("role", first.get("role") or "-"),
         ("dtype", first.get("dtype") or "-"),
@@ -124,7 +126,11 @@ def render(s: Store) -> None:
         badges[1].metric("Role", fields["role"])
         badges[2].metric("Normalised error", fields["normalised error"])
     else:
-        st.success("No divergent op: every checked output matched the CPU float64 reference within tolerance.")
+        level, text = verdict_line(int(cov.get("ops_checked") or 0), run.get("status"), run.get("exit_code"))
+        if level == "ok":
+            st.success("No divergent op: every checked output matched the CPU float64 reference within tolerance.")
+        else:
+            st.warning(text[0].upper() + text[1:] + ".")
 
     if view.series:
         fig = charts.error_along_run(view.series, view.marked, first["seq"] if first else None)

@@ -7,7 +7,7 @@ from typing import Any
 
 import streamlit as st
 
-from tpudiag.app import charts
+from tpudiag.app import charts, xla_ops
 from tpudiag.app.common import current_run, fmt_ns, fmt_num, guarded, load, not_captured, run_heading
 from tpudiag.store import Store, queries
 from tpudiag.store import dashboard_queries as q
@@ -80,7 +80,9 @@ def render(s: Store) -> None:
     source = "device" if view.time_source == "device" else "host"
     m = st.columns(5)
     m[0].metric("Time source", f"{source} time")
-    m[1].metric("Op self time", fmt_ns(view.totals["self_ns"]))
+    xla = xla_ops.section_of(s, run)
+    chips = len(xla["devices"]) if xla else 1
+    m[1].metric("Op self time" + (f" (sum of {chips} chips)" if chips > 1 else ""), fmt_ns(view.totals["self_ns"]))
     m[2].metric("Op events", fmt_num(view.totals["events"]))
     m[3].metric("Modules", fmt_num(sum(1 for r in view.modules if r["module"])))
     m[4].metric("Steps", fmt_num(len(view.steps)))
@@ -95,6 +97,7 @@ def render(s: Store) -> None:
     if tree is not None:
         right.plotly_chart(tree, key="so_tree")
     st.dataframe(top_table(view.top, int(view.totals["self_ns"]), grouping), hide_index=True, key="so_table")
+    xla_ops.render(xla)  # XLA runs: per chip, per HLO op, against the chip's peaks
 
     if view.steps:
         st.subheader("Steps")

@@ -2,7 +2,8 @@
 
 Target (DESIGN §6): the training loop under `tpudiag capture --collect trace` is at most 5% slower than under a
 plain `torch.profiler` session (CPU activity, shapes).  The loop is timed from inside the script, so interpreter
-start-up and torch import do not dilute the ratio; the whole-process wall times are reported beside it.
+start-up and torch import do not dilute the ratio; the whole-process wall times are reported beside it, with their
+paired ratio against the plain profiler (target <= 1.08).
 Modes run interleaved, several rounds, medians compared.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 WORKLOAD = BENCH / "workloads" / "mlp_loop.py"
+WALL_TARGET = 1.08  # DESIGN §6: whole process vs a plain torch.profiler session that exports its trace
 
 
 def _run(mode: str, work: Path) -> tuple[float, float]:
@@ -58,6 +60,7 @@ def main() -> dict[str, object]:
                 walls[mode].append(wall)
     med = {k: statistics.median(v) for k, v in loops.items()}
     wall_med = {k: statistics.median(v) for k, v in walls.items()}
+    wall_ratio = statistics.median(t / p for t, p in zip(walls["tpudiag"], walls["profiler"], strict=True))
     profiler_overhead = med["profiler"] / med["none"] - 1
     tpudiag_overhead = med["tpudiag"] / med["none"] - 1
     return {
@@ -67,8 +70,13 @@ def main() -> dict[str, object]:
         "profiler_overhead": round(profiler_overhead, 4),
         "tpudiag_trace_overhead": round(tpudiag_overhead, 4),
         "tpudiag_vs_profiler_loop_ratio": round(med["tpudiag"] / med["profiler"], 4),
+        # Whole process (interpreter, imports, the script, and what runs after it: trace analysis, store write),
+        # the median of the per-round ratios of runs made back to back.
+        "tpudiag_vs_profiler_wall_ratio": round(wall_ratio, 4),
         "target": "tpudiag_trace_overhead <= profiler_overhead + 0.05",
         "target_met": tpudiag_overhead <= profiler_overhead + 0.05,
+        "wall_target": f"tpudiag_vs_profiler_wall_ratio <= {WALL_TARGET}",
+        "wall_target_met": wall_ratio <= WALL_TARGET,
     }
 
 

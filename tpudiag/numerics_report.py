@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tpudiag.display import device_precision, short_source
 from tpudiag.store import Store, numerics_queries
 
 MAX_LISTED = 200
@@ -96,6 +97,7 @@ def build_section(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
     rows = _one_per_op(numerics_queries.divergent_outputs(store, run["id"]))
     entries = [_entry(r) for r in rows]
     for e in entries:
+        e["source_short"] = short_source(e["source"], run.get("script"))
         if "repro" in e:
             e["repro"] = e["repro"].format(run=run["id"])
     settings: dict[str, Any] = {}
@@ -107,6 +109,7 @@ def build_section(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
     coverage["sampling"] = settings.get("sampling")
     coverage["compiled_frames"] = settings.get("compiled_frames", 0)
     coverage["seconds_checking"] = settings.get("seconds_checking")
+    coverage["script"] = {"status": run.get("status"), "exit_code": run.get("exit_code")}  # a crash cuts checks short
     if coverage["ops_seen"] == 0:
         coverage["warning"] = "no aten ops were seen: nothing was checked"
     elif coverage["ops_checked"] == 0:
@@ -117,8 +120,19 @@ def build_section(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
         "coverage": coverage,
         "first_divergence": first_divergence(entries),
         "divergent_ops": entries[:MAX_LISTED],
-        "precision": precision,
+        "precision": device_precision(precision, run.get("device_kind")),
     }
+
+
+def verdict_line(ops_checked: int, status: str | None, exit_code: int | None) -> tuple[str, str]:
+    """(level, text) of the no-divergence verdict: ``ok`` only when ops were checked and the script finished."""
+    stopped = status not in (None, "ok") or exit_code not in (None, 0)
+    how = f"the script stopped ({status or 'failed'}, exit {exit_code if exit_code is not None else '?'})"
+    if ops_checked == 0:
+        return "warning", "nothing was checked: 0 op calls compared" + (f"; {how} before any check" if stopped else "")
+    if stopped:
+        return "warning", f"no divergent op among the {ops_checked} op calls checked before {how}"
+    return "ok", f"no divergent op among {ops_checked} checked op calls"
 
 
 # -- text -----------------------------------------------------------------------------------------------------
@@ -129,9 +143,8 @@ def _fmt(v: Any) -> str:
 
 
 def _describe(e: dict[str, Any]) -> str:
-    return (
-        f"seq {e['seq']} {e['op']} in {e['module'] or '(no module)'} ({e['phase']}), {e['source'] or 'source unknown'}"
-    )
+    source = e.get("source_short") or e["source"] or "source unknown"
+    return f"seq {e['seq']} {e['op']} in {e['module'] or '(no module)'} ({e['phase']}), {source}"
 
 
 def render_section(section: dict[str, Any]) -> list[str]:
@@ -139,7 +152,9 @@ def render_section(section: dict[str, Any]) -> list[str]:
     first = section["first_divergence"]
     lines = ["numerics (each op re-run on a CPU float64 oracle from its own inputs):"]
     if first is None:
-        lines.append(f"  no divergent op among {cov['ops_checked']} checked op calls")
+        script = cov.get("script") or {}
+        level, text = verdict_line(cov["ops_checked"], script.get("status"), script.get("exit_code"))
+        lines.append(f"  {'WARNING: ' if level != 'ok' else ''}{text}")
     else:
         m = first["metrics"]
         lines.append(f"  FIRST DIVERGENCE: {_describe(first)}")

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from tpudiag.analysis.step_summary import StepSpan, summarize_steps
+from tpudiag.display import host_op_kind
 from tpudiag.internal_errors import NOTE_PREFIX
-from tpudiag.store import Store, queries
+from tpudiag.store import Store, hlo_queries, queries, step_queries
 
 RUN_KEYS = (
     "id",
@@ -41,6 +42,7 @@ RUN_KEYS = (
     "artifacts_dir",
 )
 MAX_STEPS_LISTED = 500
+KIND_ORDER = {"compute": 0, "copy": 1, "collective": 2, "other": 3, "autograd": 4}
 
 Builder = Callable[[Store, dict[str, Any]], Any]
 Renderer = Callable[[Any], list[str]]
@@ -49,6 +51,7 @@ Renderer = Callable[[Any], list[str]]
 SECTIONS: dict[str, str] = {
     "compile": "tpudiag.compile_report:build_section:render_section",
     "numerics": "tpudiag.numerics_report:build_section:render_section",
+    "hlo_ops": "tpudiag.hlo_report:build_section:render_section",
 }
 
 
@@ -58,14 +61,21 @@ def run_summary(run: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def steps_section(store: Store, run_id: str) -> dict[str, Any]:
+def steps_section(store: Store, run_id: str, run: dict[str, Any] | None = None) -> dict[str, Any]:
     rows = queries.steps(store, run_id)
     spans = [StepSpan(r["step"], r["start_ns"], r["dur_ns"], r["kind"], r["input_shapes"]) for r in rows]
-    summary = summarize_steps(spans, queries.trace_span_ns(store, run_id))
+    run = run or queries.resolve_run(store, run_id)
+    # A capture measured its script's run time; an import has only the trace.
+    script_s = run.get("duration_s") if run.get("source") != "import" else None
+    tool, tool_total = step_queries.tool_ns_by_step(store, run_id)
+    summary = summarize_steps(
+        spans, step_queries.op_span_ns(store, run_id), script_s, tool if tool_total else None, tool_total or None
+    )
     summary["per_step"] = [
         {
             "step": s.step,
             "dur_s": round(s.dur_ns / 1e9, 6),
+            **({"tpudiag_s": round(tool.get(s.step, 0) / 1e9, 6)} if tool_total else {}),
             "input_shapes": json.loads(s.input_shapes) if s.input_shapes else None,
         }
         for s in spans[:MAX_STEPS_LISTED]
@@ -87,14 +97,29 @@ def build(store: Store, run: dict[str, Any], top: int = 20) -> dict[str, Any]:
             (n.removeprefix(NOTE_PREFIX).strip() for n in run.get("notes") or [] if n.startswith(NOTE_PREFIX)), None
         ),
         "slow_ops": queries.slow_ops(store, run["id"], limit=top),
-        "steps": steps_section(store, run["id"]),
+        "steps": steps_section(store, run["id"], run),
         "numerics": None,
         "compile": None,
+        "hlo_ops": None,
     }
     for key, spec in SECTIONS.items():
         builder, _ = _load_section(spec)
         report[key] = builder(store, run)
+    _add_op_kinds(store, run["id"], report["slow_ops"])
     return report
+
+
+def _add_op_kinds(store: Store, run_id: str, ops: list[dict[str, Any]]) -> None:
+    """Each slow op's ``kind``: compute / autograd / other on host; compute / copy / collective on device."""
+    if not ops:
+        return
+    if ops[0].get("time_source") == "device":
+        for o in ops:  # the device op that took most of its time tells (an all-reduce under "reduce_sum")
+            o["kind"] = hlo_queries.op_kind(None, o.get("top_device_op") or o["name"])
+        return
+    hlo = {o["name"] for o in hlo_queries.hlo_ops(store, run_id, limit=None)} if ops else set()
+    for o in ops:
+        o["kind"] = host_op_kind(o["name"], "xla_host_op" if o["name"] in hlo else None)
 
 
 # -- text ---------------------------------------------------------------------------------------------------------
@@ -112,12 +137,25 @@ def table(headers: list[str], rows: list[list[str]], right: set[int] | None = No
     return [fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
 
 
-def _us(v: float) -> str:
+def human_us(v: float) -> str:
+    """Microseconds in the unit a reader takes in at a glance: ``1.23 s``, ``4.56 ms``, ``7.8 us``."""
     if v >= 1e6:
         return f"{v / 1e6:.2f} s"
     if v >= 1e3:
         return f"{v / 1e3:.2f} ms"
     return f"{v:.1f} us"
+
+
+def human_s(v: float | None) -> str:
+    """Seconds (None: unknown) in the same units as op times."""
+    return "?" if v is None else human_us(v * 1e6)
+
+
+_us = human_us
+
+
+def _op_row(o: dict[str, Any]) -> list[str]:
+    return [o["name"], o.get("kind") or "-", o["module"] or "-", str(o["calls"]), _us(o["self_us"]), _us(o["total_us"])]
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -133,10 +171,7 @@ def render_text(report: dict[str, Any]) -> str:
         lines.append(f"run {run['id']}  {run['name']!r}  [{run['status']}, exit {run['exit_code']}]")
         lines.append(f"  script: {run['script']} {' '.join(run['argv'] or [])}".rstrip())
         dur = run["duration_s"]
-        lines.append(
-            f"  started {started}, {dur if dur is not None else '?'} s on {run['host']} ({device}); "
-            f"torch {run['torch_version']}"
-        )
+        lines.append(f"  started {started}, {human_s(dur)} on {run['host']} ({device}); torch {run['torch_version']}")
     for note in run.get("notes") or []:
         lines.append(f"  note: {note}")
     for key, spec in SECTIONS.items():
@@ -147,13 +182,16 @@ def render_text(report: dict[str, Any]) -> str:
     lines.append("")
     if steps["count"]:
         steady = steps["steady_median_s"]
-        lines.append(
-            f"steps: {steps['count']} ({steps['kind']}); first {steps['first_s']:.4f} s; steady median "
-            f"{steady:.4f} s; outside steps {steps['outside_steps_s']} s"
-            if steady is not None
-            else f"steps: {steps['count']} ({steps['kind']}); first {steps['first_s']:.4f} s; outside steps "
-            f"{steps['outside_steps_s']} s"
-        )
+        head = f"steps: {steps['count']} ({steps['kind']}); first {human_s(steps['first_s'])}"
+        if steady is not None:
+            head += f"; steady median {human_s(steady)}"
+        lines.append(f"{head}; outside steps {human_s(steps['outside_steps_s'])}")
+        if steps.get("tpudiag_in_steps_s"):
+            bare = steps.get("steady_median_without_tpudiag_s")
+            lines.append(
+                f"  of which tpudiag's own (numerics checker): {human_s(steps['tpudiag_in_steps_s'])} inside steps"
+                + (f", steady median without it {human_s(bare)}" if bare is not None else "")
+            )
         shapes = {json.dumps(s["input_shapes"]) for s in steps["per_step"] if s["input_shapes"] is not None}
         if len(shapes) > 1:
             lines.append(
@@ -165,13 +203,19 @@ def render_text(report: dict[str, Any]) -> str:
     lines.append("")
     if ops:
         source = ops[0].get("time_source", "host")
-        lines.append(f"slowest ops by self time ({source} time):")
+        shown = ops
+        if source == "host":
+            lines.append(f"slowest ops by self time ({source} time), compute ops first, then the rest:")
+            # Stable sort: within a kind the ranking by self time stays; autograd bookkeeping comes after the ops.
+            shown = sorted(ops, key=lambda o: KIND_ORDER.get(o.get("kind") or "other", len(KIND_ORDER)))
+        else:  # device time: every op is the device's work, ranked as it is
+            lines.append(f"slowest ops by self time ({source} time):")
         lines += [
             "  " + line
             for line in table(
-                ["op", "module", "calls", "self", "total"],
-                [[o["name"], o["module"] or "-", str(o["calls"]), _us(o["self_us"]), _us(o["total_us"])] for o in ops],
-                right={2, 3, 4},
+                ["op", "kind", "module", "calls", "self", "total"],
+                [_op_row(o) for o in shown],
+                right={3, 4, 5},
             )
         ]
     else:

@@ -40,6 +40,7 @@ HOST_PLANE = "/host:CPU"
 HOST_PLANE_ID = 0
 XLA_OPS_LINE = "XLA Ops"
 STEPS_LINE = "Steps"
+DEVICE_SPAN_STATS = ("device_offset_ps", "device_duration_ps")
 _KEY_COLUMNS = ("name", "module", "category", "on_device", "hlo_category", "framework_op", "args")
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_.\-/]")
 _TYPE_BAD = re.compile(r"[^A-Za-z0-9_]")
@@ -121,8 +122,9 @@ class _SpaceWriter:
         stats: dict[str, xp.StatValue] = {"program_id": 1}
         args = _json_object(row.get("args"))
         for k in ("program_id", "symbol_id"):
-            if isinstance(args.get(k), int) and args[k] > 0:
-                stats[k] = args[k]
+            value = _positive_int(args.get(k))  # imported XSpaces keep stats as text ("12190760917235803885")
+            if value is not None:
+                stats[k] = value
         stats.setdefault("symbol_id", len(self._symbols) + 1)
         if row.get("hlo_category"):
             stats["hlo_category"] = row["hlo_category"]
@@ -170,6 +172,7 @@ class _SpaceWriter:
         corr = pc.fill_null(col["correlation"], 0).to_numpy()
         flops_valid = col["flops"].is_valid().to_numpy(zero_copy_only=False)
         flops = pc.fill_null(col["flops"], 0.0).to_numpy()
+        device_spans = [_arg_int(col["args"], stat) for stat in DEVICE_SPAN_STATS]
         for a, b in itertools.pairwise(bounds):
             first = {name: col[name][a].as_py() for name in ("on_device", "process", "thread")}
             plane, line = self.line(bool(first["on_device"]), first["process"], first["thread"], multi_process)
@@ -203,6 +206,9 @@ class _SpaceWriter:
                 stats.append(StatColumn(plane.stat_id("correlation_id"), "int", corr[a:b], corr_valid[a:b]))
             if flops_valid[a:b].any():
                 stats.append(StatColumn(plane.stat_id("flops"), "double", flops[a:b], flops_valid[a:b]))
+            for stat, (values, present) in zip(DEVICE_SPAN_STATS, device_spans, strict=True):
+                if present[a:b].any():  # the chip's own span: XProf's op statistics count it, not the host span
+                    stats.append(StatColumn(plane.stat_id(stat), "int", values[a:b], present[a:b]))
             line.MergeFromString(encode_line_events(mids[seg], offset_ps[a:b], duration_ps[a:b], stats))
         progress.advance(n)
 
@@ -221,6 +227,28 @@ class _SpaceWriter:
                     duration_ps=dur * 1000,
                 )
                 plane.add_stats(event.stats, {"step_num": step, "step_kind": kind})
+
+
+def _arg_int(args: pa.ChunkedArray | pa.Array, key: str) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """(values, present) of an integer kept as text in the args JSON (``"device_offset_ps":"123"``)."""
+    found = pc.extract_regex(pc.fill_null(args, ""), f'"{key}":"(?P<v>[0-9]{{1,18}})"')
+    text = pc.struct_field(found, [0])
+    present = text.is_valid().to_numpy(zero_copy_only=False)
+    values = pc.cast(pc.fill_null(text, "0"), pa.int64()).to_numpy(zero_copy_only=False)
+    return values, present
+
+
+def _positive_int(value: Any) -> int | None:
+    """A positive id below 2**64 from an int or its decimal text, else None."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**64 else None
+
+
+def trace_host(tracks: list[q.Track], rank: int) -> str | None:
+    """The host an imported XSpace named (``<host>:<device>`` processes), when all of a rank's tracks agree."""
+    hosts = {t.process.split(":", 1)[0] for t in tracks if t.rank == rank and ":" in t.process}
+    return hosts.pop() if len(hosts) == 1 and all(":" in t.process for t in tracks if t.rank == rank) else None
 
 
 def _json_object(text: Any) -> dict[str, Any]:
@@ -247,7 +275,7 @@ class TensorBoardExporter:
 
     def export(self, store: Store, run: dict[str, Any], out_dir: Path, options: ExportOptions) -> list[Path]:
         run_dir = out_dir / "plugins" / "profile" / safe_name(run["id"])
-        host = safe_name(run.get("host") or "localhost")
+        default_host = safe_name(run.get("host") or "localhost")
         written: list[Path] = []
         with store.reader() as con:
             origin = q.time_origin_ns(con, run["id"])
@@ -257,12 +285,15 @@ class TensorBoardExporter:
             verdicts = q.op_verdicts(con, run["id"])
             progress = Progress(f"export tensorboard {run['id']}", sum(t.events for t in tracks))
             for rank in ranks:
+                # An imported trace keeps its own host's name (XProf lists hosts by file name).
+                named = trace_host(tracks, rank) if run.get("source") == "import" else None
+                host = safe_name(named) if named else default_host
                 writer = _SpaceWriter(host, origin if origin is not None else 0, run, verdicts)
                 multi = len({t.process for t in tracks if t.rank == rank and not t.on_device}) > 1
                 for batch in q.iter_rows(q.xplane_event_batches(con, run["id"], rank)):
                     writer.add_batch(batch, multi, progress)
                 writer.add_steps([s for s in steps if s[0] == rank])
-                fname = f"{host}.xplane.pb" if ranks == [0] else f"{host}_{rank}.xplane.pb"
+                fname = f"{host}.xplane.pb" if ranks == [0] or named else f"{host}_{rank}.xplane.pb"
                 path = run_dir / fname
                 with atomic_file(path) as fh:
                     fh.write(writer.space.SerializeToString())

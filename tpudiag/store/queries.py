@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import duckdb
 
 # Categories that count as "ops" in the slow-ops ranking.
-HOST_OP_CATEGORIES = ("cpu_op",)
+HOST_OP_CATEGORIES = ("cpu_op", "xla_host_op")  # xla_host_op: HLO ops of XLA's CPU runtime (host threads)
 DEVICE_OP_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "xla_op")
 
 

@@ -31,10 +31,13 @@ from tpudiag.traces import decodepool, xplane_events
 DEVICE_LINE_CATEGORIES = {
     "XLA Ops": "xla_op",
     "XLA Modules": "xla_module",
+    "Async XLA Ops": "xla_async_op",  # async copies and collectives, overlapping the ops line: not busy time
     "Steps": "xla_step",
     "device": "kernel",  # GPU stream events
 }
 HOST_OP_CATEGORY = "cpu_op"
+HOST_XLA_OP_CATEGORY = "xla_host_op"  # an HLO op run by XLA's CPU runtime on a host thread
+_HLO_OP = re.compile(r"(?:^|,)hlo_op=[^,]")
 _STEP_NUM = re.compile(r"(?:^|,)step_num=(\d+)")
 _TRAILING_INT = re.compile(r"(\d+)$")
 _HLO_CATEGORY = re.compile(r"(?:^|,)hlo_category=([^,]*)")
@@ -233,7 +236,7 @@ def to_tables(
         "process": _strings(process, kind),
         "thread": _strings(thread, kind),
         "name": name_column,
-        "category": _strings(category, kind),
+        "category": _strings(_group_categories(ev, category), group),
         "start_ns": pa.array(start),
         "dur_ns": pa.array(dur),
         "self_ns": pa.array(np.where(on_device, ev.self_time_ns, _host_self(parent, dur))),
@@ -259,6 +262,23 @@ def to_tables(
     )
     devices = {p.split(":", 1)[-1] for p, dev in zip(process, on_device_k.tolist(), strict=True) if dev}
     return XPlaneTables(events=table, steps=steps, devices=sorted(devices))
+
+
+def _group_categories(ev: xplane_events.EventColumns, kind_category: list[str]) -> list[str | None]:
+    """Category of each group: its kind's, except host events that XLA's CPU (or GPU host) runtime stamps with the
+    HLO op they run (an ``hlo_op`` stat: ``fusion.3`` on a ``tf_XLAEigen/...`` thread), which are the program's ops.
+    The stat is looked for in the kind's and the group's own pairs apart (no per-group string is built)."""
+    kind_hlo = [bool(a) and _has_hlo_op(a) for a in ev.kinds["trace_args"]]
+    own_hlo = [_has_hlo_op(a) for a in ev.own_pairs]
+    out: list[str | None] = []
+    for k, o in zip(ev.group_kind.tolist(), ev.group_own.tolist(), strict=True):
+        cat = kind_category[k]
+        out.append(HOST_XLA_OP_CATEGORY if cat == "host" and (kind_hlo[k] or (o >= 0 and own_hlo[o])) else cat)
+    return out
+
+
+def _has_hlo_op(pairs: str) -> bool:
+    return "hlo_op=" in pairs and _HLO_OP.search(pairs) is not None
 
 
 def _strings(values: Sequence[str | None], group: np.ndarray[Any, Any]) -> pa.Array:
@@ -322,7 +342,8 @@ def _framework_op(tf_op: str | None) -> str | None:
     if not tf_op:
         return None
     m = _NAME_TYPE.match(tf_op)
-    return m.group(1) if m else tf_op
+    # JAX writes an op with no type as ``jit(f)/jit(main)/add:``: the name without its empty type.
+    return m.group(1) if m else tf_op.removesuffix(":") or tf_op
 
 
 def _host_self(parent: np.ndarray[Any, Any], dur: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

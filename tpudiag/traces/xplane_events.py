@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +26,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from tpudiag.analysis import tree
 from tpudiag.traces import protowire, xplane_proto
 
 # Stats that become columns (not trace_args) on device lines, as in the Events DB.
 _DEVICE_COLUMN_STATS = frozenset({"tf_op", "flops", "bytes_accessed", "correlation_id", "kernel_details"})
 _U32 = 0xFFFFFFFF
+_MODULE_WITH_ID = re.compile(r"^(.+)\((\d+)\)$")
 Array = np.ndarray[Any, Any]
 Stats = list[tuple[str, str | None]]
 
@@ -338,7 +341,7 @@ def _plane_rows(plane: Any, acc: _Columns) -> None:
     gpu = on_device and not plane.name.startswith("/device:TPU")
     xp = _Plane(plane)
     lines = [_decode_line(line) for line in plane.lines]
-    modules = _by_stat(xp, lines, "XLA Modules", "program_id", "")
+    modules = _module_names(xp, lines)
     step_of_group = _by_stat(xp, lines, "Steps", "group_id", "step:") if on_device else {}
     producers: dict[tuple[str | None, str | None], int] = {}
     consumers: list[tuple[Array, int, tuple[str | None, str | None]]] = []
@@ -371,13 +374,57 @@ def _plane_rows(plane: Any, acc: _Columns) -> None:
                     producers[(d.get("_pt"), d["_p"])] = int(step[i])
                 if step[i] < 0 and "_c" in d:
                     consumers.append((step, i, (d.get("_ct"), d["_c"])))
+        end_ns, self_ns = ln.end_ns, ln.dur_ps // 1000
+        if on_device:
+            end_ns, self_ns = _device_times(xp, ln, nested=xla_op)
         acc.parts["group"].append(ln.group + first_group)
         acc.parts["start_ns"].append(ln.start_ns)
-        acc.parts["end_ns"].append(ln.end_ns)
-        acc.parts["self"].append(ln.dur_ps // 1000)
+        acc.parts["end_ns"].append(end_ns)
+        acc.parts["self"].append(self_ns)
         acc.parts["step"].append(step)
     for step, i, key in consumers:  # flow consumers (thread-pool regions) join their producer's step
         step[i] = producers.get(key, -1)
+
+
+def _device_times(xp: _Plane, ln: _Line, nested: bool) -> tuple[Array, Array]:
+    """End and self time (ns) of a device line's events in the device's own clock, as XProf counts them.
+
+    TPU op events carry ``device_offset_ps``/``device_duration_ps``: the op's span on the chip's clock.  The XEvent's
+    own ``offset_ps``/``duration_ps`` are that span mapped onto the host clock, which stretches or shrinks ops (a
+    ``copy-done`` of 194 s on the chip spans 299 s of host time in XProf's v6e-4 test trace).  XProf's op statistics
+    use the device span, and an op's self time is its span less the spans of the ops nested in it on the same line
+    (``nested``: an ``XLA Ops`` line).  The start stays host-aligned, so the timeline lines up with host threads.
+    """
+    if not any(ln.raws):  # no event has stats of its own (no device span): the host span is all there is
+        return ln.end_ns, _host_self_ns(ln, nested)
+    offset = np.full(len(ln.keys), -1, dtype=np.int64)
+    duration = np.full(len(ln.keys), -1, dtype=np.int64)
+    for i, (_, raw) in enumerate(ln.keys):
+        if raw:
+            own = dict(xp.own(raw))
+            at, span = _int(own.get("device_offset_ps")), _int(own.get("device_duration_ps"))
+            offset[i], duration[i] = (-1, -1) if at is None or span is None else (at, span)
+    ev_offset, ev_dur = offset[ln.group], duration[ln.group]
+    known = ev_dur >= 0
+    dur_ps = np.where(known, ev_dur, ln.dur_ps)
+    start_ps = np.where(known, ev_offset, (ln.start_ns - int(ln.line.timestamp_ns)) * 1000)
+    end_ns = ln.start_ns + _ns(dur_ps)
+    if not nested or len(dur_ps) == 0:
+        return end_ns, _ns(dur_ps)
+    _, _, self_ps = tree.nest_arrays(np.zeros(len(dur_ps), dtype=np.int64), start_ps, dur_ps)
+    return end_ns, _ns(self_ps)
+
+
+def _host_self_ns(ln: _Line, nested: bool) -> Array:
+    if not nested or len(ln.dur_ps) == 0:
+        return ln.dur_ps // 1000
+    start_ps = (ln.start_ns - int(ln.line.timestamp_ns)) * 1000
+    return tree.nest_arrays(np.zeros(len(ln.dur_ps), dtype=np.int64), start_ps, ln.dur_ps)[2] // 1000
+
+
+def _ns(ps: Array) -> Array:
+    """Picoseconds to the nearest nanosecond (not truncated: sums over many short ops stay unbiased)."""
+    return (ps + 500) // 1000
 
 
 def _line_groups(
@@ -446,6 +493,19 @@ def _by_stat(xp: _Plane, lines: list[_Line], line_name: str, stat: str, prefix: 
         if ln.line.name == line_name:
             per_group = [(dict(stats).get(stat), prefix + name) for name, stats in map(xp.stats, ln.keys)]
             out.update(per_group[code] for code in ln.group.tolist())
+    return out
+
+
+def _module_names(xp: _Plane, lines: list[_Line]) -> dict[str | None, str]:
+    """Program id (as text) -> HLO module name, from the ``XLA Modules`` line: its events' ``program_id`` stat,
+    else their names, which TPU runtimes write as ``jit_f(12190760917235803885)``."""
+    out = _by_stat(xp, lines, "XLA Modules", "program_id", "")
+    for ln in lines:
+        if ln.line.name == "XLA Modules":
+            for name, _ in map(xp.stats, ln.keys):
+                m = _MODULE_WITH_ID.match(name)
+                if m and m.group(2) not in out:
+                    out[m.group(2)] = m.group(1)
     return out
 
 
