@@ -153,6 +153,10 @@ class TraceCollector:
         Not here: the optimizer's own ``Optimizer.step#`` range is still open, and a profiler range that spans two
         sessions corrupts Kineto's heap (seen on torch 2.13).
         """
+        import torch
+
+        if torch.compiler.is_compiling():  # a compiled optimizer step: Dynamo must trace nothing of tpudiag's
+            return
         if threading.current_thread() is self._main_thread:
             self._step_ended = True
 

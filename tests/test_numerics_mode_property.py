@@ -177,6 +177,9 @@ def test_mode_changes_no_result_and_never_fails(call: tuple[Any, Any, torch.dtyp
     if "empty" in info.name or info.name.startswith("resize"):  # uninitialised memory by design: metadata only
         plain_out, moded_out = _metadata(plain_out), _metadata(moded_out)
     if _bits(moded_out) != _bits(plain_out):
+        _, again_out, _ = _call(info, sample, form, None)
+        if _bits(again_out) != _bits(plain_out):
+            return  # the op is not bitwise repeatable by itself (e.g. lstsq's gelsy outputs on strided inputs)
         # Some composite ops take another path under *any* dispatch mode (linalg.svdvals, eigvalsh, cond, pinv
         # compute with compute_uv=True once the Python key is set): then tpudiag must add nothing beyond what a
         # pass-through mode does.

@@ -362,6 +362,12 @@ class NumericsCollector:
             st.rewatches += 1
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        import torch
+
+        if torch.compiler.is_compiling():
+            # Dynamo is tracing a compiled optimizer step: it must see nothing but this early return (the global
+            # hook stays registered for the whole capture, so its guard on the hook dict never changes).
+            return
         from tpudiag import internal_errors
 
         with internal_errors.current().guard("numerics", "optimizer step hook"):
