@@ -119,9 +119,24 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> Captured:
             env = dict(os.environ, TPUDIAG_TEST_MODE=name.split("_")[0])
             env.pop("TPUDIAG_DB", None)
             procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), "--name", name, "--collect", COLLECT,
-                 "model.py"],
-                cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "tpudiag",
+                    "capture",
+                    "--db",
+                    str(db),
+                    "--name",
+                    name,
+                    "--collect",
+                    COLLECT,
+                    "model.py",
+                ],
+                cwd=root,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
         for name, proc in procs.items():
             out, err = proc.communicate(timeout=400)
@@ -247,8 +262,9 @@ def test_baseline_file_round_trips(captured: Captured) -> None:
 
 def test_ci_outputs(captured: Captured, tmp_path: Path) -> None:
     summary = tmp_path / "summary.md"
-    gh = captured.tpudiag("check", "broken", "--baseline", "clean_a", "--format", "github",
-                          env={"GITHUB_STEP_SUMMARY": str(summary)})
+    gh = captured.tpudiag(
+        "check", "broken", "--baseline", "clean_a", "--format", "github", env={"GITHUB_STEP_SUMMARY": str(summary)}
+    )
     assert gh.returncode == 1
     error = next(ln for ln in gh.stdout.splitlines() if ln.startswith("::error "))
     assert f"file=model.py,line={TANH_LINE}," in error and "aten%3A%3Atanh" not in error.split("::", 2)[2]
@@ -290,8 +306,9 @@ def test_exit_statuses_through_a_real_process(captured: Captured) -> None:
 def test_not_comparable_runs_are_refused_unless_allowed(captured: Captured, tmp_path: Path) -> None:
     other = tmp_path / "other.py"
     other.write_text("print('nothing to see')\n")
-    proc = run_tpudiag("capture", "--db", str(captured.db), "--name", "other", "--collect", "none", str(other),
-                       cwd=captured.root)
+    proc = run_tpudiag(
+        "capture", "--db", str(captured.db), "--name", "other", "--collect", "none", str(other), cwd=captured.root
+    )
     assert proc.returncode == 0, proc.stderr
     refused = captured.tpudiag("check", "other", "--baseline", "clean_a")
     assert refused.returncode == 2 and "runs not comparable: script differs" in refused.stderr

@@ -71,14 +71,16 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     update_to: Path | None = None
     if args.update_baseline is not None:
         target = args.update_baseline or args.baseline
-        if not target or not looks_like_file(target) and not target.endswith(".json"):
+        if not target or (not looks_like_file(target) and not target.endswith(".json")):
             raise UsageError("--update-baseline needs a file: --baseline FILE.json or --update-baseline FILE.json")
         update_to = Path(target)
     with usage_errors():
         store = Store(resolve_db_path(args.db))
         run = snapshot_of(store, args.run)
         base: Snapshot | None = None
-        if args.baseline and not (update_to is not None and Path(args.baseline) == update_to and not update_to.exists()):
+        if args.baseline and not (
+            update_to is not None and Path(args.baseline) == update_to and not update_to.exists()
+        ):
             base = snapshot_of(store, args.baseline)
     has_baseline = base is not None
     if base is None:  # the ideal run: nothing diverges, nothing recompiles, no graph break
@@ -95,7 +97,9 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     statuses = {o.status for o in outcomes}
     code = 1 if "fail" in statuses else 3 if "inconclusive" in statuses else 0
     verdict = {0: "passed", 1: "FAILED", 3: "INCONCLUSIVE"}[code]
-    counts = ", ".join(f"{sum(o.status == s for o in outcomes)} {s}" for s in ("fail", "inconclusive", "pass", "skipped"))
+    counts = ", ".join(
+        f"{sum(o.status == s for o in outcomes)} {s}" for s in ("fail", "inconclusive", "pass", "skipped")
+    )
     summary = f"tpudiag check {run.label}: {verdict} ({counts}; rules: {config.source})"
     cases = [
         {
@@ -109,8 +113,18 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     ]
     markdown = _markdown(summary, outcomes) + ("\n" + render.render_markdown(result) if has_baseline else "")
     if args.json:
-        print(json.dumps({"exit_code": code, "verdict": verdict.lower(), "outcomes": [o.to_dict() for o in outcomes],
-                          "comparison": result}, indent=2, default=str))
+        print(
+            json.dumps(
+                {
+                    "exit_code": code,
+                    "verdict": verdict.lower(),
+                    "outcomes": [o.to_dict() for o in outcomes],
+                    "comparison": result,
+                },
+                indent=2,
+                default=str,
+            )
+        )
     elif args.format == "md":
         sys.stdout.write(markdown)
     elif args.format == "github":

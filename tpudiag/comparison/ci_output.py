@@ -53,9 +53,12 @@ def github_annotations(items: Sequence[Annotated], limit: int = MAX_ANNOTATIONS)
         lines.append(f"::{LEVELS.get(f.severity, 'notice')} {','.join(props)}::{_escape_data(f.message)}")
     if len(items) > limit:
         rest = items[limit:]
-        kinds = ", ".join(f"{sum(1 for f in rest if f.severity == s)} {s}" for s in LEVELS if any(
-            f.severity == s for f in rest))
-        lines.append(f"::notice title=tpudiag::{len(rest)} more finding(s) not annotated ({kinds}): see the job summary")
+        kinds = ", ".join(
+            f"{sum(1 for f in rest if f.severity == s)} {s}" for s in LEVELS if any(f.severity == s for f in rest)
+        )
+        lines.append(
+            f"::notice title=tpudiag::{len(rest)} more finding(s) not annotated ({kinds}): see the job summary"
+        )
     return lines
 
 

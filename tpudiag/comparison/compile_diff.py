@@ -37,6 +37,7 @@ def compare_compile(a: Snapshot, b: Snapshot, warmup: int = WARMUP_STEPS) -> dic
     out["recompiles_after_warmup_b"] = wb
     sites_a = set(ca.get("graph_break_sites") or [])
     out["new_graph_breaks"] = [s for s in cb.get("graph_break_sites") or [] if s not in sites_a]
-    out["fixed_graph_breaks"] = [s for s in ca.get("graph_break_sites") or [] if s not in set(
-        cb.get("graph_break_sites") or [])]
+    out["fixed_graph_breaks"] = [
+        s for s in ca.get("graph_break_sites") or [] if s not in set(cb.get("graph_break_sites") or [])
+    ]
     return out

@@ -37,8 +37,13 @@ def compare_numerics(a: Snapshot, b: Snapshot) -> dict[str, Any] | None:
         return None
     if a.numerics is None or b.numerics is None:
         missing = "A" if a.numerics is None else "B"
-        return {"comparable": False, "note": f"run {missing} has no numerics data", "changes": [],
-                "first_new_divergence": None, "counts": {}}
+        return {
+            "comparable": False,
+            "note": f"run {missing} has no numerics data",
+            "changes": [],
+            "first_new_divergence": None,
+            "counts": {},
+        }
     by_a = {(n["op"], n["module"]): n for n in a.numerics}
     by_b = {(n["op"], n["module"]): n for n in b.numerics}
     changes: list[dict[str, Any]] = []

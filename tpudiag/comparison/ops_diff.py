@@ -73,8 +73,13 @@ def compare_ops(
 ) -> dict[str, Any]:
     """The ``ops`` section: ``entries`` (every aligned op), ``counts`` per category, ``uniform_shift``."""
     if a.time_source and b.time_source and a.time_source != b.time_source:
-        return {"comparable": False, "entries": [], "counts": {}, "uniform_shift": None,
-                "note": f"op times are {a.time_source} in A and {b.time_source} in B"}
+        return {
+            "comparable": False,
+            "entries": [],
+            "counts": {},
+            "uniform_shift": None,
+            "note": f"op times are {a.time_source} in A and {b.time_source} in B",
+        }
     steps_a, steps_b = _steady_steps(a, warmup), _steady_steps(b, warmup)
     step_a = [st["dur_ns"] / 1e9 for st in a.steps if st["step"] in set(steps_a)]
     step_b = [st["dur_ns"] / 1e9 for st in b.steps if st["step"] in set(steps_b)]
@@ -157,9 +162,11 @@ def _categorize(r: dict[str, Any], scale: float, alpha: float, factor: float, fl
         return "slower", "slower", _round(ratio)
     if significant and ratio < 1 / factor:
         return "faster", "faster", _round(ratio)
-    return "unchanged", "no significant change" if stats.min_pvalue(len(r["_sa"]), len(r["_sb"])) < alpha else (
-        "too few samples"
-    ), _round(ratio)
+    return (
+        "unchanged",
+        "no significant change" if stats.min_pvalue(len(r["_sa"]), len(r["_sb"])) < alpha else ("too few samples"),
+        _round(ratio),
+    )
 
 
 def _round(x: float) -> float | None:

@@ -58,19 +58,39 @@ def tables(result: dict[str, Any]) -> list[Table]:
         d = st.get(key)
         if d:
             rows.append(
-                [label, _s(d["median_a"]), _ci(d["ci_a"]), _s(d["median_b"]), _ci(d["ci_b"]), _ratio(d["ratio"]),
-                 _v(d["p_value"]), f"{d['n_a']}+{d['n_b']}", d["verdict"]]
+                [
+                    label,
+                    _s(d["median_a"]),
+                    _ci(d["ci_a"]),
+                    _s(d["median_b"]),
+                    _ci(d["ci_b"]),
+                    _ratio(d["ratio"]),
+                    _v(d["p_value"]),
+                    f"{d['n_a']}+{d['n_b']}",
+                    d["verdict"],
+                ]
             )
     out.append(
-        ("Steps", ["", "median A", "95% CI A", "median B", "95% CI B", "B/A", "p", "n", "verdict"], rows,
-         [st["note"]] if st.get("note") else [])
+        (
+            "Steps",
+            ["", "median A", "95% CI A", "median B", "95% CI B", "B/A", "p", "n", "verdict"],
+            rows,
+            [st["note"]] if st.get("note") else [],
+        )
     )
 
     ops = result["ops"]
     entries = [e for e in ops.get("entries", []) if e["category"] != "unchanged"][:MAX_OP_ROWS]
     rows = [
-        [e["op"], e["module"] or "–", e["category"], _s(e["per_step_s_a"]), _s(e["per_step_s_b"]), _ratio(e["ratio"]),
-         "–" if e["impact"] is None else f"{e['impact'] * 100:+.2f}%"]
+        [
+            e["op"],
+            e["module"] or "–",
+            e["category"],
+            _s(e["per_step_s_a"]),
+            _s(e["per_step_s_b"]),
+            _ratio(e["ratio"]),
+            "–" if e["impact"] is None else f"{e['impact'] * 100:+.2f}%",
+        ]
         for e in entries
     ]
     counts = ", ".join(f"{n} {c}" for c, n in sorted(ops.get("counts", {}).items()))
@@ -84,8 +104,15 @@ def tables(result: dict[str, Any]) -> list[Table]:
     num = result["numerics"]
     if num is not None:
         rows = [
-            [c["op"], c["module"] or "–", c["change"], f"{c['status_a'] or '–'} → {c['status_b'] or '–'}",
-             _v(c["max_scaled_error_a"]), _v(c["max_scaled_error_b"]), c["source"] or "–"]
+            [
+                c["op"],
+                c["module"] or "–",
+                c["change"],
+                f"{c['status_a'] or '–'} → {c['status_b'] or '–'}",
+                _v(c["max_scaled_error_a"]),
+                _v(c["max_scaled_error_b"]),
+                c["source"] or "–",
+            ]
             for c in num["changes"][:MAX_NUMERICS_ROWS]
         ]
         notes = [num["note"]] if num.get("note") else []
@@ -98,9 +125,18 @@ def tables(result: dict[str, Any]) -> list[Table]:
 
     comp_s = result["compile"]
     if comp_s is not None:
-        rows = [[k, _v(comp_s[k]["a"]), _v(comp_s[k]["b"])] for k in
-                ("compiles", "recompiles", "recompiles_after_warmup", "graph_breaks", "cache_hits", "cache_misses",
-                 "compile_time_s")]
+        rows = [
+            [k, _v(comp_s[k]["a"]), _v(comp_s[k]["b"])]
+            for k in (
+                "compiles",
+                "recompiles",
+                "recompiles_after_warmup",
+                "graph_breaks",
+                "cache_hits",
+                "cache_misses",
+                "compile_time_s",
+            )
+        ]
         notes = [f"new recompile reason: {r}" for r in comp_s["new_recompile_reasons"]]
         notes += [f"new graph break: {s}" for s in comp_s["new_graph_breaks"]]
         out.append(("Compilation", ["", "A", "B"], rows, notes))
@@ -111,7 +147,10 @@ def _text_table(headers: list[str], rows: list[list[str]]) -> list[str]:
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()  # noqa: E731
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
     return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
@@ -131,8 +170,12 @@ def _md_cell(text: str) -> str:
 
 
 def render_markdown(result: dict[str, Any], heading: str = "tpudiag compare") -> str:
-    lines = [f"## {heading}", "", f"A: `{result['a']['name']}` ({result['a']['id']}) · "
-             f"B: `{result['b']['name']}` ({result['b']['id']})", ""]
+    lines = [
+        f"## {heading}",
+        "",
+        f"A: `{result['a']['name']}` ({result['a']['id']}) · B: `{result['b']['name']}` ({result['b']['id']})",
+        "",
+    ]
     for title, headers, rows, notes in tables(result):
         lines.append(f"### {title}")
         lines.append("")

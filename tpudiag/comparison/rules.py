@@ -117,7 +117,9 @@ class Outcome:
 def _rule(raw: dict[str, Any], origin: str) -> Rule | None:
     unknown = set(raw) - RULE_KEYS
     if unknown:
-        raise UsageError(f"{origin}: unknown rule key(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(RULE_KEYS))})")
+        raise UsageError(
+            f"{origin}: unknown rule key(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(RULE_KEYS))})"
+        )
     metric = raw.get("metric")
     if metric not in METRICS:
         raise UsageError(f"{origin}: unknown metric {metric!r} (known: {', '.join(METRICS)})")
@@ -230,14 +232,18 @@ def _ops_time(rule: Rule, result: dict[str, Any], has_baseline: bool) -> list[Ou
     for e in ops.get("entries", []):
         if e["category"] != ("slower" if rule.direction == "lower" else "faster"):
             continue
-        hit, ratio = _bad_ratio(rule, e["per_step_s_a"] or 0.0, (e["per_step_s_b"] or 0.0) / (
-            ops["uniform_shift"]["factor"] if ops.get("uniform_shift") else 1.0))
+        hit, ratio = _bad_ratio(
+            rule,
+            e["per_step_s_a"] or 0.0,
+            (e["per_step_s_b"] or 0.0) / (ops["uniform_shift"]["factor"] if ops.get("uniform_shift") else 1.0),
+        )
         if hit:
             bad.append(
                 Outcome(
                     rule,
                     "fail",
-                    f"{e['per_step_s_a']:.6g} s -> {e['per_step_s_b']:.6g} s per step (×{ratio:.3f}, q={e['q_value']:.2g})",
+                    f"{e['per_step_s_a']:.6g} s -> {e['per_step_s_b']:.6g} s per step "
+                    f"(×{ratio:.3f}, q={e['q_value']:.2g})",
                     where(e["op"], e["module"]),
                 )
             )
@@ -252,7 +258,7 @@ def _count(rule: Rule, a: int, b: int) -> bool:
 
 def _numerics(rule: Rule, result: dict[str, Any]) -> Outcome:
     num = result["numerics"]
-    if num is None or not num.get("comparable", False) and rule.metric != "numerics.divergent_ops":
+    if num is None or (not num.get("comparable", False) and rule.metric != "numerics.divergent_ops"):
         return Outcome(rule, "skipped", "numerics not captured on both sides")
     changes = num["changes"]
     if rule.metric == "numerics.new_divergent_ops":

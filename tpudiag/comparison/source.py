@@ -56,8 +56,6 @@ def _compile_section(store: Store, run: dict[str, Any], steps: list[dict[str, An
         for e in events
         if e.kind == "recompile"
     ]
-    section["graph_break_sites"] = sorted(
-        {f"{e.file}:{e.line}: {e.reason}" for e in events if e.kind == "graph_break"}
-    )
+    section["graph_break_sites"] = sorted({f"{e.file}:{e.line}: {e.reason}" for e in events if e.kind == "graph_break"})
     section.pop("by_frame", None)
     return section

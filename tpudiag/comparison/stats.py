@@ -72,7 +72,7 @@ def _exact_u_pvalue(u: float, n1: int, n2: int) -> float:
     counts = table[n1, n2]
     total = counts.sum()
     lo = min(u, n1 * n2 - u)
-    p = 2.0 * counts[: int(math.floor(lo)) + 1].sum() / total
+    p = 2.0 * counts[: math.floor(lo) + 1].sum() / total
     return float(min(1.0, p))
 
 
