@@ -72,14 +72,8 @@ def compare_ops(
     a: Snapshot, b: Snapshot, warmup: int = WARMUP_STEPS, alpha: float = stats.ALPHA, factor: float = FACTOR
 ) -> dict[str, Any]:
     """The ``ops`` section: ``entries`` (every aligned op), ``counts`` per category, ``uniform_shift``."""
-    if a.time_source and b.time_source and a.time_source != b.time_source:
-        return {
-            "comparable": False,
-            "entries": [],
-            "counts": {},
-            "uniform_shift": None,
-            "note": f"op times are {a.time_source} in A and {b.time_source} in B",
-        }
+    # Host times on one side and device times on the other are listed side by side, never judged.
+    comparable = not (a.time_source and b.time_source and a.time_source != b.time_source)
     steps_a, steps_b = _steady_steps(a, warmup), _steady_steps(b, warmup)
     step_a = [st["dur_ns"] / 1e9 for st in a.steps if st["step"] in set(steps_a)]
     step_b = [st["dur_ns"] / 1e9 for st in b.steps if st["step"] in set(steps_b)]
@@ -98,6 +92,8 @@ def compare_ops(
             "module": key[1],
             "calls_a": oa["calls"] if oa else 0,
             "calls_b": ob["calls"] if ob else 0,
+            "self_ns_a": int(oa["self_ns"]) if oa else 0,
+            "self_ns_b": int(ob["self_ns"]) if ob else 0,
             "self_s_a": oa["self_ns"] / 1e9 if oa else None,
             "self_s_b": ob["self_ns"] / 1e9 if ob else None,
             "per_step_s_a": float(np.median(sa)) if sa else None,
@@ -115,15 +111,17 @@ def compare_ops(
         if oa and ob and sa and sb:
             pairs.append((float(np.mean(sa)), float(np.mean(sb)), (row["per_step_s_a"] or 0.0) + 1e-12))
         rows.append(row)
-    shift = uniform_shift(pairs)
+    shift = uniform_shift(pairs) if comparable else None
     scale = 1.0 / shift["factor"] if shift else 1.0
-    tested = [r for r in rows if r["_sa"] and r["_sb"] and r["share"] >= MIN_SHARE]
+    tested = [r for r in rows if comparable and r["_sa"] and r["_sb"] and r["share"] >= MIN_SHARE]
     pvals = [stats.mann_whitney(r["_sa"], [v * scale for v in r["_sb"]]) for r in tested]
     for r, q in zip(tested, stats.benjamini_hochberg(pvals), strict=True):
         r["q_value"] = q
     floor = max(FLOOR_S, FLOOR_SHARE * (step_med_a or 0.0))
     for r in rows:
         r["category"], r["verdict"], r["ratio"] = _categorize(r, scale, alpha, factor, floor)
+        if not comparable and r["category"] not in ("added", "removed"):
+            r["category"] = r["verdict"] = "not comparable"
         delta = ((r["per_step_s_b"] or 0.0) * scale) - (r["per_step_s_a"] or 0.0)
         r["impact"] = round(delta / step_med_a, 6) if step_med_a else None
         r["delta_s"] = round(delta, 9)
@@ -132,14 +130,17 @@ def compare_ops(
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["category"]] = counts.get(r["category"], 0) + 1
-    return {
-        "comparable": True,
+    out = {
+        "comparable": comparable,
         "time_source": a.time_source or b.time_source,
         "entries": rows,
         "counts": counts,
         "uniform_shift": shift,
         "steady_steps": [len(steps_a), len(steps_b)],
     }
+    if not comparable:
+        out["note"] = f"op times are {a.time_source} times in A and {b.time_source} times in B: listed, not judged"
+    return out
 
 
 def _categorize(r: dict[str, Any], scale: float, alpha: float, factor: float, floor: float) -> tuple[str, str, Any]:
