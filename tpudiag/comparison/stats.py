@@ -24,10 +24,11 @@ UNSTABLE_CV = 0.10  # robust coefficient of variation (1.4826·MAD / median) fro
 BOOTSTRAP_ROUNDS = 2000
 _EXACT_MAX = 400  # n1*n2 up to which the exact U distribution is counted
 
+Samples = Sequence[float] | np.ndarray[Any, Any]
 VERDICTS = ("faster", "slower", "no significant change", "too few samples", "unstable")
 
 
-def median_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+def median_ci(values: Samples, confidence: float = CONFIDENCE) -> tuple[float, float] | None:
     """A distribution-free interval of the median from order statistics (binomial, as asv does); None if n < 2."""
     x = np.sort(np.asarray(values, dtype=float))
     n = len(x)
@@ -48,7 +49,7 @@ def median_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[
     return float(x[k - 1]), float(x[n - k])
 
 
-def robust_cv(values: Sequence[float]) -> float | None:
+def robust_cv(values: Samples) -> float | None:
     x = np.asarray(values, dtype=float)
     if len(x) < 3:
         return None
@@ -76,7 +77,7 @@ def _exact_u_pvalue(u: float, n1: int, n2: int) -> float:
     return float(min(1.0, p))
 
 
-def mann_whitney(a: Sequence[float], b: Sequence[float]) -> float:
+def mann_whitney(a: Samples, b: Samples) -> float:
     """Two-sided Mann–Whitney U p-value (1.0 when a side is empty or every value ties)."""
     x = np.asarray(a, dtype=float)
     y = np.asarray(b, dtype=float)
@@ -112,7 +113,7 @@ def min_pvalue(n1: int, n2: int) -> float:
 
 
 def ratio_ci(
-    a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE, rounds: int = BOOTSTRAP_ROUNDS
+    a: Samples, b: Samples, confidence: float = CONFIDENCE, rounds: int = BOOTSTRAP_ROUNDS
 ) -> tuple[float, float] | None:
     """Percentile bootstrap interval of median(b) / median(a); seeded, so the same inputs give the same output."""
     x = np.asarray(a, dtype=float)
@@ -130,7 +131,7 @@ def ratio_ci(
     return float(lo), float(hi)
 
 
-def benjamini_hochberg(pvalues: Sequence[float]) -> list[float]:
+def benjamini_hochberg(pvalues: Samples) -> list[float]:
     """BH-adjusted p-values (q-values), in the input order."""
     p = np.asarray(pvalues, dtype=float)
     n = len(p)
@@ -177,7 +178,7 @@ def verdict_of(p_value: float | None, ratio: float | None, p_min: float, unstabl
     return "unstable" if unstable else "no significant change"
 
 
-def compare_samples(a: Sequence[float], b: Sequence[float], alpha: float = ALPHA) -> Difference:
+def compare_samples(a: Samples, b: Samples, alpha: float = ALPHA) -> Difference:
     """The full comparison of two timing samples (same unit on both sides)."""
     med_a = float(np.median(a)) if len(a) else None
     med_b = float(np.median(b)) if len(b) else None

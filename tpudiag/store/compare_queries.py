@@ -63,9 +63,7 @@ def run_material(store: Store, run_id: str, max_ops: int) -> dict[str, Any]:
                 [run_id, max_ops],
             )
         )
-        total = con.execute(
-            f"SELECT count(*), coalesce(sum(self_ns), 0) FROM ({events})", [run_id]
-        ).fetchall()[0]
+        total = con.execute(f"SELECT count(*), coalesce(sum(self_ns), 0) FROM ({events})", [run_id]).fetchall()[0]
         numerics = _dicts(
             con.execute(
                 """
