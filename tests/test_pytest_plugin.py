@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from tpudiag.store import Store, queries
+
 pytest_plugins = ("pytester",)
 
 TESTS = textwrap.dedent(
@@ -96,23 +98,63 @@ def test_the_plugin_is_registered_for_pytest() -> None:
     assert [e.value for e in eps] == ["tpudiag.pytest_plugin"]
 
 
+MORE = textwrap.dedent(
+    """
+    import pytest
+    from test_model import faulty_tanh, run_net  # noqa: F401
+
+
+    @pytest.mark.tpudiag(numerics="clean")
+    def test_other_worker_clean():
+        run_net()
+
+
+    @pytest.mark.tpudiag(numerics="clean")
+    def test_other_worker_fault(faulty_tanh):
+        run_net()
+    """
+)
+
+
 def test_markers_and_fixture_with_and_without_the_flag(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_model=TESTS)
+    """With --tpudiag under pytest-xdist (two workers, one file each, one shared store), then without the flag."""
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_model=TESTS, test_more=MORE)
     db = pytester.path / "runs.duckdb"
-    on = pytester.runpytest_subprocess("--tpudiag", f"--tpudiag-db={db}", "-p", "no:cacheprovider", "-rA", timeout=400)
-    on.assert_outcomes(passed=3, failed=3)
+    on = pytester.runpytest_subprocess(
+        "--tpudiag",
+        f"--tpudiag-db={db}",
+        "-p",
+        "no:cacheprovider",
+        "-rA",
+        "-n",
+        "2",
+        "--dist",
+        "loadfile",
+        timeout=400,
+    )
+    on.assert_outcomes(passed=4, failed=4)
     out = on.stdout.str()
     failed = set(re.findall(r"^FAILED test_model.py::(\w+)", out, re.M))
     assert failed == {"test_marker_fault", "test_marker_recompiles", "test_fixture_fault"}
+    assert "FAILED test_more.py::test_other_worker_fault" in out
     # Failures read like pytest's own: allowed, seen, where (op, module, source line), and the run to open.
     assert "tpudiag: numerics not clean: allowed 0 divergent ops, seen 1" in out
     assert f"aten::tanh in Net at test_model.py:{TANH_LINE}" in out
     assert "tpudiag: allowed at most 0 recompile(s), seen 1" in out and "size mismatch" in out
     assert f"in {db} (tpudiag report --db {db} " in out
-    assert re.search(r"tpudiag: 6 run\(s\) stored in .*runs\.duckdb", out)
+    # Both workers wrote into the one store (DuckDB takes one writer at a time; tpudiag retries), the controller
+    # sums their runs.
+    assert f"tpudiag: 8 run(s) stored in {db}" in out
+    runs = queries.list_runs(Store(db))
+    assert len({r["pid"] for r in runs}) == 2  # two worker processes
+    assert sorted(r["name"].split("::")[1] for r in runs) == sorted(
+        re.findall(r"^(?:PASSED|FAILED) test_\w+\.py::(\w+)", out, re.M)
+    )
     assert "During handling of the above exception" not in out
 
     # Without --tpudiag, markers and the fixture do nothing (the compile test is left out: it only costs time).
+    # A subprocess again: the fault's kernel must never be registered in this process.
     off = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "not recompiles", timeout=400)
-    off.assert_outcomes(passed=5, deselected=1)
+    off.assert_outcomes(passed=7, deselected=1)
     assert "tpudiag:" not in off.stdout.str()

@@ -25,6 +25,7 @@ MARKER_KEYS = ("numerics", "max_recompiles", "max_graph_breaks")
 DEFAULT_COLLECT = "numerics,compile"
 _HANDLE = pytest.StashKey["Handle"]()
 _RUNS = pytest.StashKey[list[str]]()
+_STORES = pytest.StashKey[dict[str, list[str]]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -204,7 +205,30 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     return result
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On a pytest-xdist worker: hand the runs to the controller, which prints the summary."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        no_runs: list[str] = []
+        runs = session.config.stash.get(_RUNS, no_runs)
+        workeroutput["tpudiag_runs"] = list(runs)
+        workeroutput["tpudiag_store"] = str(_store_path(session.config))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist controller: collect each worker's runs (their stores are the workers' own unless --tpudiag-db)."""
+    out = getattr(node, "workeroutput", None) or {}
+    if out.get("tpudiag_runs"):
+        node.config.stash.setdefault(_STORES, {}).setdefault(out["tpudiag_store"], []).extend(out["tpudiag_runs"])
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    runs = config.stash.get(_RUNS, [])
+    no_stores: dict[str, list[str]] = {}
+    no_runs: list[str] = []
+    stores = {path: list(ids) for path, ids in config.stash.get(_STORES, no_stores).items()}
+    runs = config.stash.get(_RUNS, no_runs)
     if runs:
-        terminalreporter.write_line(f"tpudiag: {len(runs)} run(s) stored in {_store_path(config)}")
+        stores.setdefault(str(_store_path(config)), []).extend(runs)
+    for path, ids in stores.items():
+        terminalreporter.write_line(f"tpudiag: {len(ids)} run(s) stored in {path}")
