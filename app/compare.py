@@ -1,4 +1,8 @@
-"""Compare: two runs side by side — op time deltas, what changed in numerics and in compilation."""
+"""Compare: two runs side by side — op time deltas, what changed in numerics and in compilation.
+
+The numbers come from ``tpudiag.comparison`` (the code behind ``tpudiag compare`` and ``tpudiag check``), so the
+page and the command line always agree: the same alignment, statistics, categories and numerics changes.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,28 @@ from typing import Any
 import streamlit as st
 
 from tpudiag.app import charts
-from tpudiag.app.common import RUN_KEY, empty_store, fmt_ns, fmt_num, guarded, load, run_label
+from tpudiag.app.common import (
+    LOCK_TIMEOUT_S,
+    RUN_KEY,
+    empty_store,
+    fmt_ns,
+    fmt_num,
+    guarded,
+    load,
+    run_label,
+    store_version,
+)
+from tpudiag.comparison.dashboard_view import load_view
 from tpudiag.store import Store
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def _view(path: str, version: tuple[int, ...], run_a: str, run_b: str) -> dict[str, Any]:
+    return load_view(Store(path, lock_timeout_s=LOCK_TIMEOUT_S), run_a, run_b)
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else round(s * 1e3, 6)
 
 
 def side_by_side(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, str]]:
@@ -55,14 +79,45 @@ def render(s: Store) -> None:
     if run_a == run_b:
         st.warning("Pick two different runs.")
         return
-    view = load("load_compare", s, run_a, run_b)
-    st.dataframe(side_by_side(view.runs["a"], view.runs["b"]), hide_index=True, key="cmp_summary")
-    if view.runs["a"].get("time_source") != view.runs["b"].get("time_source"):
+    view = _view(str(s.path), store_version(s), run_a, run_b)
+    result = view["result"]
+    st.dataframe(side_by_side(view["runs"]["a"], view["runs"]["b"]), hide_index=True, key="cmp_summary")
+    comparable = result["comparable"]
+    for problem in comparable["problems"]:
+        st.warning("Not comparable: " + problem)
+    if comparable["differences"]:
+        st.dataframe(
+            [{"field": d["field"], "in A": str(d["a"]), "in B": str(d["b"])} for d in comparable["differences"]],
+            hide_index=True,
+            key="cmp_fingerprint",
+        )
+    if view["runs"]["a"].get("time_source") != view["runs"]["b"].get("time_source"):
         st.warning("One run has device times and the other host times: op times are not directly comparable.")
+    steps = result["steps"]
+    if steps.get("steady"):
+        st.subheader("Steps")
+        st.dataframe(
+            [
+                {
+                    "": label,
+                    "median ms A": _ms(d["median_a"]),
+                    "median ms B": _ms(d["median_b"]),
+                    "B/A": round(d["ratio"], 3) if d["ratio"] is not None else None,
+                    "p": d["p_value"],
+                    "n": f"{d['n_a']}+{d['n_b']}",
+                    "verdict": d["verdict"],
+                }
+                for label, d in (("first step", steps["first"]), ("steady step", steps["steady"]))
+            ],
+            hide_index=True,
+            key="cmp_steps",
+        )
     st.subheader("Op time")
-    if view.ops:
+    if result["ops"].get("uniform_shift"):
+        st.warning(result["ops"]["uniform_shift"]["notice"])
+    if view["ops"]:
         left, right = st.columns([1, 1])
-        left.plotly_chart(charts.delta_bars(view.ops[:20]), key="cmp_delta")
+        left.plotly_chart(charts.delta_bars(view["ops"][:20]), key="cmp_delta")
         right.dataframe(
             [
                 {
@@ -74,23 +129,62 @@ def render(s: Store) -> None:
                     "Δ ms": r["delta_ns"] / 1e6,
                     "ratio B/A": round(r["self_ns_b"] / r["self_ns_a"], 3) if r["self_ns_a"] else None,
                 }
-                for r in view.ops
+                for r in view["ops"]
             ],
             hide_index=True,
             key="cmp_ops",
         )
+        st.dataframe(
+            [
+                {
+                    "op": e["op"],
+                    "module": e["module"],
+                    "category": e["category"],
+                    "ms/step A": _ms(e["per_step_s_a"]),
+                    "ms/step B": _ms(e["per_step_s_b"]),
+                    "B/A": e["ratio"],
+                    "of step %": round(e["impact"] * 100, 3) if e["impact"] is not None else None,
+                    "q": e.get("q_value"),
+                }
+                for e in result["ops"]["entries"][:200]
+            ],
+            hide_index=True,
+            key="cmp_aligned",
+        )
     else:
         st.caption("Neither run has op events.")
     st.subheader("Numerics")
-    if view.numerics:
-        st.dataframe(view.numerics, hide_index=True, key="cmp_numerics")
+    numerics = result["numerics"] or {}
+    if numerics.get("changes"):
+        first = numerics.get("first_new_divergence")
+        if first:
+            st.text(f"first new divergence: {first['op']} in {first['module']} at {first['source']}")
+        st.dataframe(numerics["changes"], hide_index=True, key="cmp_numerics")
     else:
-        st.caption("No divergent op in either run (or numerics were not captured).")
+        st.caption("No numerics change between the runs (or numerics were not captured).")
     st.subheader("Compilation")
-    if view.compile:
-        st.dataframe(view.compile, hide_index=True, key="cmp_compile")
+    comp = result["compile"]
+    if comp:
+        st.dataframe(
+            [
+                {"count": k, "A": comp[k]["a"], "B": comp[k]["b"]}
+                for k in (
+                    "compiles",
+                    "recompiles",
+                    "recompiles_after_warmup",
+                    "graph_breaks",
+                    "cache_hits",
+                    "cache_misses",
+                    "compile_time_s",
+                )
+            ],
+            hide_index=True,
+            key="cmp_compile",
+        )
+        for site in comp["new_graph_breaks"]:
+            st.text("new graph break: " + site)
     else:
-        st.caption("No compile events in either run.")
+        st.caption("No compile data in either run.")
 
 
 def main() -> None:

@@ -182,18 +182,19 @@ def test_compile_view(rich: RichStore) -> None:
 
 
 def test_compare_view(rich: RichStore) -> None:
+    from tpudiag.comparison.dashboard_view import load_view
+
     a, b = rich.base, rich.cand
-    view = q.load_compare(rich.store, a.run.id, b.run.id)
-    assert view.runs["a"]["time_source"] == "host" and view.runs["b"]["time_source"] == "device"
+    view = load_view(rich.store, a.run.id, b.run.id)
+    assert view["runs"]["a"]["time_source"] == "host" and view["runs"]["b"]["time_source"] == "device"
     ea = {n: t for n, _c, t in expected_top_ops(a)}
     eb = {n: t for n, _c, t in expected_top_ops(b, device=True)}
-    got = {r["name"]: r["delta_ns"] for r in view.ops}
+    got = {r["name"]: r["delta_ns"] for r in view["ops"]}
     assert got == {n: eb.get(n, 0) - ea.get(n, 0) for n in set(ea) | set(eb)}
-    assert [abs(r["delta_ns"]) for r in view.ops] == sorted((abs(v) for v in got.values()), reverse=True)
-    tanh = next(r for r in view.numerics if r["op"] == "aten::tanh")
-    assert (tanh["divergent_a"], tanh["divergent_b"]) == (1, 0)
-    kinds = {r["kind"]: (r["events_a"], r["events_b"]) for r in view.compile}
-    assert kinds["recompile"] == (3, 0)
+    assert [abs(r["delta_ns"]) for r in view["ops"]] == sorted((abs(v) for v in got.values()), reverse=True)
+    tanh = next(r for r in view["result"]["numerics"]["changes"] if r["op"] == "aten::tanh")
+    assert (tanh["divergent_a"], tanh["divergent_b"], tanh["change"]) == (1, 0, "improvement")
+    assert view["result"]["compile"]["recompiles"]["a"] == 3 and not view["result"]["compile"]["comparable"]
 
 
 def test_module_tree_and_chart_text() -> None:

@@ -210,6 +210,8 @@ EXTRA_COMMANDS: list[str] = [
     "tpudiag.commands.export:register",
     "tpudiag.commands.dashboard:register",
     "tpudiag.commands.repro:register",
+    "tpudiag.commands.compare:register",
+    "tpudiag.commands.check:register",
 ]
 
 

@@ -7,7 +7,6 @@ parameters; the only SQL text chosen at run time comes from fixed fragments in t
 how long each query took (``timings``, milliseconds), which the benchmark reads.
 """
 
-from tpudiag.store.dashboard_queries.compare import CompareView, load_compare
 from tpudiag.store.dashboard_queries.compile import CompileView, load_compile
 from tpudiag.store.dashboard_queries.numerics import NumericsView, load_numerics, load_op_diffs
 from tpudiag.store.dashboard_queries.ops import (
@@ -27,7 +26,6 @@ __all__ = [
     "COMPILE_KINDS",
     "GROUPINGS",
     "PHASES",
-    "CompareView",
     "CompileView",
     "NumericsView",
     "OpDetail",
@@ -37,7 +35,6 @@ __all__ = [
     "StepBreakdown",
     "StepTimeline",
     "list_run_choices",
-    "load_compare",
     "load_compile",
     "load_numerics",
     "load_op_detail",
