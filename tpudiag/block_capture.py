@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import tpudiag
-from tpudiag import environment
+from tpudiag import environment, internal_errors
 from tpudiag.capture import new_run_id
 from tpudiag.clock import SystemClock
 from tpudiag.model import Run
@@ -72,6 +72,7 @@ def capture_block(
         artifacts_dir=str(run_dir),
     )
     run_dir.mkdir(parents=True, exist_ok=True)
+    errors = internal_errors.begin(run_dir)
     store.put_run(run)
     ctx = CaptureContext(run_id=run_id, run_dir=run_dir, spool=spool, options=dict(options or {}), clock=clock)
     active: list[Collector] = []
@@ -103,7 +104,8 @@ def capture_block(
             device_kind=kind,
             device_name=device_name,
             precision={**environment.precision(), **ctx.metadata.get("precision", {})},
-            notes=list(ctx.notes),
+            notes=([f"{internal_errors.NOTE_PREFIX} {line}"] if (line := errors.closing_line()) else [])
+            + list(ctx.notes),
         )
         with store.writer() as w:
             store.finish_run(run_id, spool.directory, con=w)
