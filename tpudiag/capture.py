@@ -173,8 +173,11 @@ def _remove_empty_tree(folder: Path) -> None:
 
 def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
     """The capture command's body: capture, print the one closing line, return the script's exit code."""
+    from tpudiag.distributed import launch
+
+    target = launch.normalize(target)
     try:
-        result = capture(target, options)
+        result = launch.capture_launcher(target, options) if launch.is_launcher(target) else capture(target, options)
     except StoreError as err:
         # The script may already have run; its data stays in the spool for the next command to recover.
         _warn(str(err))

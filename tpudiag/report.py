@@ -48,6 +48,7 @@ Renderer = Callable[[Any], list[str]]
 SECTIONS: dict[str, str] = {
     "compile": "tpudiag.compile_report:build_section:render_section",
     "numerics": "tpudiag.numerics_report:build_section:render_section",
+    "distributed": "tpudiag.distributed.report_section:build_section:render_section",
 }
 
 

@@ -1,0 +1,192 @@
+"""SQL of distributed runs: the ``dist_*`` tables, loading rank shards into a run, and the per-rank reads.
+
+The ``dist_*`` tables are created when the first distributed run is stored (``CREATE TABLE IF NOT EXISTS``), so
+stores without one keep their schema.  Shards are read with one hive-partitioned glob per table; ``run_id`` and
+``rank`` come from the folder names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tpudiag.distributed.records import Collective, Fingerprint, RankInfo
+from tpudiag.distributed.shards import table_glob
+from tpudiag.model import CompileEvent, Step, column_kinds
+
+if TYPE_CHECKING:
+    import duckdb
+    import pyarrow as pa
+
+_DUCK = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "str": "VARCHAR"}
+# Per-rank copies of model tables, every attempt kept: (store table, record type it mirrors).
+RANK_TABLES: dict[str, type[Any]] = {"dist_steps": Step, "dist_compile_events": CompileEvent}
+OWN_TABLES: dict[str, type[Any]] = {c.TABLE: c for c in (RankInfo, Fingerprint, Collective)}
+ALL_TABLES = (*OWN_TABLES, *RANK_TABLES)
+# Rank data loaded into the run's main tables gets ids offset by rank, so ids stay unique within the run.
+ID_SHIFT = 36
+_HIVE = "hive_partitioning = true, hive_types = {'run_id': VARCHAR, 'rank': BIGINT}, union_by_name = true"
+
+
+def _columns(cls: type[Any], with_attempt: bool) -> list[tuple[str, str]]:
+    cols = list(column_kinds(cls))
+    if with_attempt and "attempt" not in {n for n, _ in cols}:
+        cols.append(("attempt", "int"))
+    return cols
+
+
+def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
+    for name, cls in {**OWN_TABLES, **RANK_TABLES}.items():
+        cols = ", ".join(f'"{n}" {_DUCK[k]}' for n, k in _columns(cls, with_attempt=True))
+        con.execute(f"CREATE TABLE IF NOT EXISTS {name} ({cols})")
+
+
+def has_tables(con: duckdb.DuckDBPyConnection) -> bool:
+    rows = con.execute(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'dist_ranks'"
+    ).fetchall()
+    return bool(rows and rows[0][0])
+
+
+def shard_files(root: Path, table: str) -> list[str]:
+    folder = root / table
+    return sorted(str(p) for p in folder.glob("*/*/*.parquet")) if folder.is_dir() else []
+
+
+def _source(root: Path, table: str) -> str:
+    return f"read_parquet('{table_glob(root, table)}', {_HIVE})"
+
+
+def clear_run(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+    for table in ALL_TABLES:
+        con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
+
+
+def load_rank_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str) -> None:
+    """Every attempt of every rank into the ``dist_*`` tables (collectives are derived separately)."""
+    pairs = {RankInfo.TABLE: RankInfo.TABLE, Fingerprint.TABLE: Fingerprint.TABLE}
+    pairs.update({"dist_steps": Step.TABLE, "dist_compile_events": CompileEvent.TABLE})
+    for store_table, shard_table in pairs.items():
+        if not shard_files(root, shard_table):
+            continue
+        con.execute(
+            f"INSERT INTO {store_table} BY NAME SELECT * REPLACE (? AS run_id) FROM {_source(root, shard_table)}",
+            [run_id],
+        )
+
+
+def load_main_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, attempt: int, ops_rank: int) -> None:
+    """One attempt's rank data into the run's own tables (what the single-run report, dashboard and exports read).
+
+    Trace events, steps and compile events of every rank (ids offset by rank); ops and op diffs of ``ops_rank``
+    only, so the numerics section reads as one rank's.
+    """
+    shift = f"((rank + 1) << {ID_SHIFT})"
+    plans = {
+        "trace_events": f"event_id + {shift} AS event_id, parent_id + {shift} AS parent_id, "
+        f"launch_id + {shift} AS launch_id",
+        "steps": None,
+        "compile_events": f"seq + {shift} AS seq",
+        "ops": None,
+        "op_diffs": None,
+    }
+    for table, replace in plans.items():
+        if not shard_files(root, table):
+            continue
+        select = f"* EXCLUDE (attempt) REPLACE (? AS run_id{', ' + replace if replace else ''})"
+        where = "attempt = ?" + (" AND rank = ?" if table in ("ops", "op_diffs") else "")
+        params: list[Any] = [run_id, attempt] + ([ops_rank] if table in ("ops", "op_diffs") else [])
+        con.execute(f"INSERT INTO {table} BY NAME SELECT {select} FROM {_source(root, table)} WHERE {where}", params)
+
+
+def collective_events(con: duckdb.DuckDBPyConnection, root: Path) -> pa.Table | None:
+    """The communication ranges of every rank's trace (gloo/NCCL annotations), ordered as each rank ran them."""
+    if not shard_files(root, "trace_events"):
+        return None
+    return con.sql(
+        f"""
+        SELECT rank, attempt, name, start_ns, dur_ns, shapes, dtypes FROM {_source(root, "trace_events")}
+        WHERE category = 'user_annotation' AND (starts_with(name, 'gloo:') OR starts_with(name, 'nccl:'))
+        ORDER BY rank, attempt, start_ns
+        """
+    ).to_arrow_table()
+
+
+def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> None:
+    if data.num_rows == 0:
+        return
+    con.register("tpudiag_dist_rows", data)
+    try:
+        con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM tpudiag_dist_rows")
+    finally:
+        con.unregister("tpudiag_dist_rows")
+
+
+def numerics_counts(con: duckdb.DuckDBPyConnection, root: Path) -> list[tuple[int, int, int, int]]:
+    """(rank, attempt, outputs compared, failing outputs) from every rank's op diffs."""
+    if not shard_files(root, "op_diffs"):
+        return []
+    rows = con.execute(
+        f"SELECT rank, attempt, count(*) FILTER (WHERE verdict != 'skip'), count(*) FILTER (WHERE verdict = 'fail') "
+        f"FROM {_source(root, 'op_diffs')} GROUP BY rank, attempt"
+    ).fetchall()
+    return [(int(a), int(b), int(c), int(d)) for a, b, c, d in rows]
+
+
+def set_numerics_counts(con: duckdb.DuckDBPyConnection, run_id: str, counts: list[tuple[int, int, int, int]]) -> None:
+    for rank, attempt, checked, failures in counts:
+        con.execute(
+            "UPDATE dist_ranks SET numerics_checked = ?, numerics_failures = ? "
+            "WHERE run_id = ? AND rank = ? AND attempt = ?",
+            [checked, failures, run_id, rank, attempt],
+        )
+
+
+def present_ranks(con: duckdb.DuckDBPyConnection, root: Path) -> set[tuple[int, int]]:
+    """(rank, attempt) of every rank that wrote anything at all."""
+    found: set[tuple[int, int]] = set()
+    for table in ("trace_events", "steps", "compile_events", "ops", Fingerprint.TABLE):
+        if shard_files(root, table):
+            rows = con.execute(f"SELECT DISTINCT rank, attempt FROM {_source(root, table)}").fetchall()
+            found |= {(int(r), int(a)) for r, a in rows}
+    return found
+
+
+# -- reads (report, dashboard) ------------------------------------------------------------------------------------
+def _dicts(cur: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    cols = [d[0] for d in cur.description or []]
+    return [dict(zip(cols, row, strict=True)) for row in cur.fetchall()]
+
+
+def ranks(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
+    return _dicts(con.execute("SELECT * FROM dist_ranks WHERE run_id = ? ORDER BY attempt, rank", [run_id]))
+
+
+def collectives(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[Collective]:
+    cur = con.execute(
+        "SELECT * FROM dist_collectives WHERE run_id = ? AND attempt = ? ORDER BY rank, seq", [run_id, attempt]
+    )
+    return [Collective(**row) for row in _dicts(cur)]
+
+
+def fingerprints(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[Fingerprint]:
+    cur = con.execute(
+        "SELECT * FROM dist_fingerprints WHERE run_id = ? AND attempt = ? ORDER BY step, kind, rank", [run_id, attempt]
+    )
+    return [Fingerprint(**row) for row in _dicts(cur)]
+
+
+def step_durations(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> dict[int, list[int]]:
+    rows = con.execute(
+        "SELECT rank, list(dur_ns ORDER BY step) FROM dist_steps WHERE run_id = ? AND attempt = ? GROUP BY rank",
+        [run_id, attempt],
+    ).fetchall()
+    return {int(r): [int(d) for d in durs] for r, durs in rows}
+
+
+def compile_events(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[CompileEvent]:
+    cur = con.execute(
+        "SELECT * EXCLUDE (attempt) FROM dist_compile_events WHERE run_id = ? AND attempt = ? ORDER BY rank, seq",
+        [run_id, attempt],
+    )
+    return [CompileEvent(**row) for row in _dicts(cur)]
