@@ -131,9 +131,16 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
                 ctx.note(f"collector {c.name} failed to start: {err}")
         flusher = _Flusher(store, run_id, spool, active, options.flush_interval_s)
         flusher.start()
+    from tpudiag.distributed import spawn  # torch.multiprocessing.spawn workers become ranks of this run
+
+    spawned = spawn.install(
+        run_id, str(run_dir), options.collect, options.collector_options, options.flush_interval_s, ctx.note
+    )
     t0 = clock.monotonic()
     outcome = runner.run(target)
     duration = clock.monotonic() - t0
+    if spawned is not None:
+        spawned.remove()
     flusher.stop()
 
     for c in reversed(active):
@@ -156,6 +163,8 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
     )
     with store.writer() as w:
         store.finish_run(run_id, spool.directory, con=w)
+        if spawned is not None:
+            final = spawn.merge_ranks(store, final, run_dir, con=w)
         store.put_run(final, con=w)
     with contextlib.suppress(OSError):
         _remove_empty_tree(spool.directory)

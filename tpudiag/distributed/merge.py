@@ -86,8 +86,12 @@ def _lost_ranks(run_id: str, infos: list[dict[str, Any]], present: set[tuple[int
     ]
 
 
-def finish(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection) -> Run:
-    """Merge the shards under ``run_dir/shards`` into ``run``; returns the run with status and notes updated."""
+def finish(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection, main_tables: bool = True) -> Run:
+    """Merge the shards under ``run_dir/shards`` into ``run``; returns the run with status and notes updated.
+
+    ``main_tables=False`` (``torch.multiprocessing.spawn`` jobs, whose run's own tables hold the parent process)
+    loads only the ``dist_*`` tables.
+    """
     root = run_dir / "shards"
     if not has_shards(run_dir):
         return dataclasses.replace(run, notes=[*run.notes, "no rank wrote any data (were the workers captured?)"])
@@ -103,8 +107,9 @@ def finish(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection
     infos = q.ranks(con, run.id)
     last = max(int(r["attempt"]) for r in infos)
     lowest = min(int(r["rank"]) for r in infos if int(r["attempt"]) == last)
-    q.load_main_tables(con, root, run.id, last, lowest)
-    store.summarize_run(run.id, con)
+    if main_tables:
+        q.load_main_tables(con, root, run.id, last, lowest)
+        store.summarize_run(run.id, con)
 
     notes = list(run.notes)
     status = run.status

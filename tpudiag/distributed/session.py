@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -143,12 +144,15 @@ class WorkerSession:
                 self.active.append(c)
             except Exception as err:
                 self.ctx.note(f"collector {c.name} failed to start: {err}")
-        try:
-            self.probe = DistributedProbe(self.identity, self.spool, self._rank_known)
-            self.probe.start()
-        except Exception as err:
-            self.probe = None
-            self.notes.append(f"the distributed probe failed to start: {err}")
+        # The probe needs torch; it is loaded only when a collector already loaded it (``--collect none`` stays
+        # torch-free, and its ranks are known from the launcher's environment only).
+        if "torch" in sys.modules:
+            try:
+                self.probe = DistributedProbe(self.identity, self.spool, self._rank_known)
+                self.probe.start()
+            except Exception as err:
+                self.probe = None
+                self.notes.append(f"the distributed probe failed to start: {err}")
         parts: list[Any] = [*self.active, *([self.probe] if self.probe else [])]
         self._flusher = _Flusher(parts, self.config.flush_s)
         self._flusher.start()
