@@ -109,11 +109,16 @@ def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("ddp")
     script = _write(folder, "train.py", DDP_JOB)
     db = folder / "store.duckdb"
-    captured = run_tpudiag("capture", "--db", str(db), "--collect", "trace", *_torchrun(str(script)), cwd=folder,
-                           env=ENV)
+    captured = run_tpudiag(
+        "capture", "--db", str(db), "--collect", "trace", *_torchrun(str(script)), cwd=folder, env=ENV
+    )
     plain = subprocess.run(
         [sys.executable, *_torchrun(str(script))],
-        cwd=folder, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300,
+        cwd=folder,
+        env={**os.environ, **ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return {"folder": folder, "db": db, "captured": captured, "plain": plain, "report": _report(db)}
 
@@ -190,8 +195,16 @@ def test_shards_are_one_hive_glob(ddp_job: dict[str, Any]) -> None:
 def test_failing_rank_with_restarts_keeps_both_attempts(tmp_path: Path) -> None:
     script = _write(tmp_path, "job.py", FAILING_JOB)
     db = tmp_path / "store.duckdb"
-    res = run_tpudiag("capture", "--db", str(db), "--collect", "none",
-                      *_torchrun("--max-restarts", "1", str(script)), cwd=tmp_path, env=ENV)
+    res = run_tpudiag(
+        "capture",
+        "--db",
+        str(db),
+        "--collect",
+        "none",
+        *_torchrun("--max-restarts", "1", str(script)),
+        cwd=tmp_path,
+        env=ENV,
+    )
     assert res.returncode == 1, res.stderr  # the launcher's exit status: the job failed after its restart
     assert "boom on rank 1" in res.stderr
     report = _report(db)
@@ -203,7 +216,10 @@ def test_failing_rank_with_restarts_keeps_both_attempts(tmp_path: Path) -> None:
         assert "boom on rank 1" in attempt["first_failure"]["error"]
     assert any("rank 1 failed first" in n and "boom on rank 1" in n for n in report["run"]["notes"])
     assert sorted(res.stdout.splitlines()) == [
-        "rank 0 attempt 0", "rank 0 attempt 1", "rank 1 attempt 0", "rank 1 attempt 1"
+        "rank 0 attempt 0",
+        "rank 0 attempt 1",
+        "rank 1 attempt 0",
+        "rank 1 attempt 1",
     ]
 
 

@@ -112,8 +112,9 @@ def render_section(section: dict[str, Any]) -> list[str]:
         lines.append("  stragglers: none (no rank arrived clearly last at collectives)")
     m = section["collective_mismatch"]
     lines.append(
-        f"  collective mismatch at collective #{m['seq']}: {m['text']}" if m else "  collectives: every rank ran "
-        "the same sequence"
+        f"  collective mismatch at collective #{m['seq']}: {m['text']}"
+        if m
+        else "  collectives: every rank ran the same sequence"
     )
     d = section["rank_divergence"]
     lines.append(f"  numerics across ranks: {d['text']}" if d else "  numerics across ranks: fingerprints agree")

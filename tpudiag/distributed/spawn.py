@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpudiag import runner
@@ -93,8 +93,14 @@ class SpawnPatch:
         self._saved.clear()
 
 
-def install(run_id: str, run_dir: str, collect: list[str] | None, options: dict[str, Any], flush_s: float,
-            note: Callable[[str], None]) -> SpawnPatch | None:
+def install(
+    run_id: str,
+    run_dir: str,
+    collect: list[str] | None,
+    options: dict[str, Any],
+    flush_s: float,
+    note: Callable[[str], None],
+) -> SpawnPatch | None:
     """Wrap torch's process starter when torch is already loaded (the collectors load it); never raises."""
     import sys
 

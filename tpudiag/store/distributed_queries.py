@@ -42,9 +42,7 @@ def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def has_tables(con: duckdb.DuckDBPyConnection) -> bool:
-    rows = con.execute(
-        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'dist_ranks'"
-    ).fetchall()
+    rows = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'dist_ranks'").fetchall()
     return bool(rows and rows[0][0])
 
 
