@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -249,3 +250,61 @@ def test_spawned_workers_are_ranks(tmp_path: Path) -> None:
         assert got[rank]["pid"] == pid  # the rank learned at init_process_group, not the spawn index
         assert got[rank]["steps"] == 2
     assert dist["rank_divergence"] is None  # same seed, all-reduced gradients: same numbers
+
+
+SPARK_QUERY = """
+SELECT CAST(rank AS INT) AS rank, count(*) AS collectives, sum(dur_ns) AS collective_ns
+FROM trace_events
+WHERE category = 'user_annotation' AND (name LIKE 'gloo:%' OR name LIKE 'nccl:%')
+GROUP BY rank ORDER BY rank
+"""
+
+
+def test_spark_reads_the_shards_with_the_reports_per_rank_totals(ddp_job: dict[str, Any]) -> None:
+    pytest.importorskip("pyspark")
+    if shutil.which("java") is None:
+        pytest.skip("no Java runtime (.ci/run installs one)")
+    from pyspark.sql import SparkSession
+
+    root = Path(ddp_job["report"]["run"]["artifacts_dir"]) / "shards"
+    spark = (
+        SparkSession.builder.master("local[1]")
+        .appName("tpudiag-shards")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "1")
+        # Partition values as strings: a run id must never be read as a date or a number.
+        .config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
+        .getOrCreate()
+    )
+    try:
+        spark.read.parquet(str(root / "trace_events")).createOrReplaceTempView("trace_events")
+        spark.read.parquet(str(root / "steps")).createOrReplaceTempView("steps")
+        colls = [r.asDict() for r in spark.sql(SPARK_QUERY).collect()]
+        steps = {
+            r["rank"]: r["n"]
+            for r in spark.sql("SELECT CAST(rank AS INT) AS rank, count(*) AS n FROM steps GROUP BY rank").collect()
+        }
+        run_ids = {r[0] for r in spark.sql("SELECT DISTINCT run_id FROM steps").collect()}
+    finally:
+        spark.stop()
+    assert run_ids == {ddp_job["report"]["run"]["id"]}
+    ranks = {r["rank"]: r for r in ddp_job["report"]["distributed"]["ranks"]}
+    assert [c["rank"] for c in colls] == [0, 1]
+    for c in colls:
+        assert c["collectives"] == ranks[c["rank"]]["collectives"]
+        assert c["collective_ns"] / 1e9 == pytest.approx(ranks[c["rank"]]["collective_s"], abs=2e-6)
+        assert steps[c["rank"]] == ranks[c["rank"]]["steps"] == 5
+
+
+def test_parquet_export_writes_the_same_layout(ddp_job: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "export"
+    res = run_tpudiag("export", "--db", str(ddp_job["db"]), "--format", "parquet", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    ranks = {r["rank"]: r for r in ddp_job["report"]["distributed"]["ranks"]}
+    glob = str(out / "shards" / "dist_collectives" / "*" / "*" / "*.parquet")
+    with duckdb.connect() as con:
+        rows = con.execute(
+            f"SELECT rank, count(*), sum(dur_ns) FROM read_parquet('{glob}', hive_partitioning = true) "
+            "GROUP BY rank ORDER BY rank"
+        ).fetchall()
+    assert [(r, n) for r, n, _ in rows] == [(k, ranks[k]["collectives"]) for k in (0, 1)]

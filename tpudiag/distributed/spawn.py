@@ -116,7 +116,13 @@ def install(
 
 
 def merge_ranks(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection) -> Run:
-    """The spawned ranks' shards into the run's ``dist_*`` tables (the run's own tables keep the parent's data)."""
+    """The spawned ranks' shards into the run's ``dist_*`` tables.
+
+    The run's own tables keep the parent process's data, relabelled rank -1 (it is not a rank of the job).
+    """
     if not merge.has_shards(run_dir):
         return run
+    from tpudiag.store import distributed_queries
+
+    distributed_queries.mark_parent_rows(con, run.id)
     return merge.finish(store, run, run_dir, con=con, main_tables=False)

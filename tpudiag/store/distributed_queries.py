@@ -188,3 +188,34 @@ def compile_events(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) ->
         [run_id, attempt],
     )
     return [CompileEvent(**row) for row in _dicts(cur)]
+
+
+# -- export -------------------------------------------------------------------------------------------------------
+# Tables written per rank by ``tpudiag export --format parquet`` for a distributed run (those with a rank column).
+EXPORT_TABLES = (*ALL_TABLES, "trace_events", "steps", "compile_events")
+
+
+def export_partitions(con: duckdb.DuckDBPyConnection, run_id: str, out_dir: Path) -> list[Path]:
+    """One run's per-rank tables as ``<out>/<table>/run_id=<id>/rank=<r>/*.parquet`` (the shards' layout)."""
+    if not has_tables(con) or not con.execute("SELECT 1 FROM dist_ranks WHERE run_id = ? LIMIT 1", [run_id]).fetchall():
+        return []
+    written: list[Path] = []
+    for table in EXPORT_TABLES:
+        if not con.execute(f"SELECT 1 FROM {table} WHERE run_id = ? LIMIT 1", [run_id]).fetchall():
+            continue
+        target = out_dir / table
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # COPY ... PARTITION_BY writes the hive folders and leaves run_id / rank out of the files, as the shards do.
+        con.execute(
+            f"COPY (SELECT * FROM {table} WHERE run_id = ?) TO '{target}' "
+            "(FORMAT parquet, COMPRESSION zstd, PARTITION_BY (run_id, rank), OVERWRITE_OR_IGNORE)",
+            [run_id],
+        )
+        written += sorted(target.glob("*/*/*.parquet"))
+    return written
+
+
+def mark_parent_rows(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+    """The rows of a process that spawned the ranks (not a rank itself) get rank -1."""
+    for table in ("trace_events", "steps", "compile_events"):
+        con.execute(f"UPDATE {table} SET rank = -1 WHERE run_id = ?", [run_id])
