@@ -127,7 +127,9 @@ class WorkerSession:
         if options.pop("budget", None) is not None:
             # A time budget decides per rank from its own timings; every rank must check the same ops.
             self.notes.append("--budget is ignored in distributed jobs (it would decide differently on each rank)")
-        options["rank"] = self.identity.rank or 0
+        # Until init_process_group says otherwise, a spawned worker's index stands in (TorchTPU's worker_rank).
+        provisional = self.identity.rank if self.identity.rank is not None else self.identity.local_rank
+        options["rank"] = provisional or 0
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ctx = CaptureContext(
             run_id=self.config.run_id, run_dir=self.workdir, spool=self.spool, options=options, clock=SystemClock()
