@@ -120,7 +120,7 @@ def test_shard_spool_writes_hive_partitions_and_moves_staged_parts(tmp_path: Pat
     spool.write_records(Step, [Step("run1", 0, 0, 10, "optimizer"), Step("run1", 1, 10, 12, "optimizer")])
     assert not (root / "steps").exists()  # rank unknown: staged
     spool.set_rank(3)
-    spool.write_records(RankInfo, [RankInfo("run1", 3, attempt=2, status="ok")])
+    spool.write_records(RankInfo, [RankInfo("run1", 3, restart=2, status="ok")])
     spool.write_table("dist_collectives", records_to_arrow(Collective, [coll(3, 0, 1.0)]))
     assert not (tmp_path / "staging").exists()
     files = sorted(p.relative_to(root).parts[:3] for p in root.rglob("*.parquet"))
@@ -130,10 +130,10 @@ def test_shard_spool_writes_hive_partitions_and_moves_staged_parts(tmp_path: Pat
         ("steps", "run_id=run1", "rank=3"),
     ]
     # The partition columns are in the folder names only (Spark refuses a column in both places).
-    assert "rank" not in shard_schema("steps").names and "attempt" in shard_schema("steps").names
+    assert "rank" not in shard_schema("steps").names and "restart" in shard_schema("steps").names
     with duckdb.connect() as con:
         rows = con.execute(
-            f"SELECT run_id, rank, attempt, step FROM read_parquet('{table_glob(root, 'steps')}', "
+            f"SELECT run_id, rank, restart, step FROM read_parquet('{table_glob(root, 'steps')}', "
             "hive_partitioning = true) ORDER BY step"
         ).fetchall()
     assert rows == [("run1", 3, 2, 0), ("run1", 3, 2, 1)]
@@ -147,7 +147,7 @@ def test_collectives_from_trace_rows() -> None:
     rows = pa.table(
         {
             "rank": [0, 0, 1],
-            "attempt": [0, 0, 0],
+            "restart": [0, 0, 0],
             "name": ["gloo:broadcast", "gloo:all_reduce", "gloo:broadcast"],
             "start_ns": [1, 2, 1],
             "dur_ns": [5, 6, 7],

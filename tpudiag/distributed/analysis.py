@@ -254,7 +254,7 @@ def first_failure(ranks: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
     )
     return {
         "rank": int(first["rank"]),
-        "attempt": int(first.get("attempt") or 0),
+        "attempt": int(first.get("restart") or 0),
         "status": first.get("status"),
         "exit_code": first.get("exit_code"),
         "error": first.get("error"),

@@ -53,7 +53,7 @@ def collectives_from_events(run_id: str, events: pa.Table | None) -> list[Collec
     out: list[Collective] = []
     counters: dict[tuple[int, int], int] = {}
     for row in events.to_pylist():
-        key = (int(row["rank"]), int(row["attempt"]))
+        key = (int(row["rank"]), int(row["restart"]))
         seq = counters.get(key, 0)
         counters[key] = seq + 1
         shapes = json.loads(row["shapes"]) if row["shapes"] else []
@@ -64,7 +64,7 @@ def collectives_from_events(run_id: str, events: pa.Table | None) -> list[Collec
                 rank=key[0],
                 seq=seq,
                 op=str(row["name"]).split(":", 1)[-1],
-                attempt=key[1],
+                restart=key[1],
                 shapes=row["shapes"],
                 dtypes=row["dtypes"],
                 bytes=_bytes(shapes, dtypes),
@@ -76,12 +76,12 @@ def collectives_from_events(run_id: str, events: pa.Table | None) -> list[Collec
 
 
 def _lost_ranks(run_id: str, infos: list[dict[str, Any]], present: set[tuple[int, int]]) -> list[RankInfo]:
-    known = {(int(r["rank"]), int(r["attempt"])) for r in infos}
+    known = {(int(r["rank"]), int(r["restart"])) for r in infos}
     world = max((int(r["world_size"] or 0) for r in infos), default=0)
     attempts = {a for _, a in known | present}
     expected = set(present) | {(r, a) for a in attempts for r in range(world)}
     return [
-        RankInfo(run_id=run_id, rank=r, attempt=a, world_size=world or None, status="lost")
+        RankInfo(run_id=run_id, rank=r, restart=a, world_size=world or None, status="lost")
         for r, a in sorted(expected - known)
     ]
 
@@ -105,16 +105,16 @@ def finish(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection
     q.insert_arrow(con, RankInfo.TABLE, records_to_arrow(RankInfo, lost))
     q.set_numerics_counts(con, run.id, q.numerics_counts(con, root))
     infos = q.ranks(con, run.id)
-    last = max(int(r["attempt"]) for r in infos)
-    lowest = min(int(r["rank"]) for r in infos if int(r["attempt"]) == last)
+    last = max(int(r["restart"]) for r in infos)
+    lowest = min(int(r["rank"]) for r in infos if int(r["restart"]) == last)
     if main_tables:
         q.load_main_tables(con, root, run.id, last, lowest)
         store.summarize_run(run.id, con)
 
     notes = list(run.notes)
     status = run.status
-    for attempt in sorted({int(r["attempt"]) for r in infos}):
-        failure = analysis.first_failure([r for r in infos if int(r["attempt"]) == attempt])
+    for attempt in sorted({int(r["restart"]) for r in infos}):
+        failure = analysis.first_failure([r for r in infos if int(r["restart"]) == attempt])
         if failure is None:
             continue
         notes.append(
@@ -124,7 +124,7 @@ def finish(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection
         )
         if attempt == last and status == "ok":
             status = "failed"
-    attempts = len({int(r["attempt"]) for r in infos})
+    attempts = len({int(r["restart"]) for r in infos})
     if attempts > 1:
         notes.append(f"the job ran {attempts} attempts (torchelastic restarts); each is kept")
     return dataclasses.replace(run, status=status, notes=notes)

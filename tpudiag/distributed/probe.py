@@ -114,7 +114,7 @@ class DistributedProbe:
                     step=self._step,
                     kind=kind,
                     fingerprint=digest,
-                    attempt=self.identity.attempt,
+                    restart=self.identity.attempt,
                     tensors=count,
                     abs_sum=abs_sum,
                 )

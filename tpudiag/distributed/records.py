@@ -19,7 +19,7 @@ class RankInfo:
 
     run_id: str
     rank: int
-    attempt: int = 0
+    restart: int = 0  # torchelastic's restart count: which attempt of the job
     local_rank: int | None = None
     world_size: int | None = None
     host: str | None = None
@@ -50,7 +50,7 @@ class Fingerprint:
     step: int
     kind: str  # "param" | "grad"
     fingerprint: str  # hex digest of the per-tensor sums, equal on ranks that hold the same numbers
-    attempt: int = 0
+    restart: int = 0  # torchelastic's restart count: which attempt of the job
     tensors: int = 0
     abs_sum: float | None = None  # sum of |x| over all tensors (how far apart two ranks are)
 
@@ -65,7 +65,7 @@ class Collective:
     rank: int
     seq: int  # index among this rank's collectives
     op: str  # "all_reduce", "broadcast", ...
-    attempt: int = 0
+    restart: int = 0  # torchelastic's restart count: which attempt of the job
     shapes: str | None = None  # JSON list of input dims
     dtypes: str | None = None  # JSON list of input types
     bytes: int | None = None

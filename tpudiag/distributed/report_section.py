@@ -24,7 +24,7 @@ def build_section(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
         infos = q.ranks(con, run["id"])
         if not infos:
             return None
-        last = max(int(r["attempt"]) for r in infos)
+        last = max(int(r["restart"]) for r in infos)
         collectives = q.collectives(con, run["id"], last)
         fingerprints = q.fingerprints(con, run["id"], last)
         steps = q.step_durations(con, run["id"], last)
@@ -40,8 +40,8 @@ def assemble(
     compiles: list[Any],
 ) -> dict[str, Any]:
     """The section from per-rank records (pure: the store reads are in ``build_section``)."""
-    last = max(int(r["attempt"]) for r in infos)
-    current = [r for r in infos if int(r["attempt"]) == last]
+    last = max(int(r["restart"]) for r in infos)
+    current = [r for r in infos if int(r["restart"]) == last]
     spread = analysis.step_spread(steps)
     waits = analysis.collective_wait(collectives)
     ranks = []
@@ -53,8 +53,8 @@ def assemble(
         row.update(waits.get(int(r["rank"]), {"collectives": 0, "collective_s": 0.0}))
         ranks.append(row)
     attempts = []
-    for attempt in sorted({int(r["attempt"]) for r in infos}):
-        rows = [r for r in infos if int(r["attempt"]) == attempt]
+    for attempt in sorted({int(r["restart"]) for r in infos}):
+        rows = [r for r in infos if int(r["restart"]) == attempt]
         failure = analysis.first_failure(rows)
         attempts.append(
             {

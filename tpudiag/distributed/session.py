@@ -192,7 +192,7 @@ class WorkerSession:
         info = RankInfo(
             run_id=self.config.run_id,
             rank=self.spool.rank or 0,
-            attempt=self.identity.attempt,
+            restart=self.identity.attempt,
             local_rank=self.identity.local_rank,
             world_size=self.identity.world_size,
             host=self.identity.host,

@@ -3,7 +3,7 @@
 Every rank of a job writes its own parts, so ranks never share a file or a lock, and the tree is one table per
 folder for DuckDB (``read_parquet('<root>/<table>/*/*/*.parquet', hive_partitioning = true)``), Spark (partition
 discovery) and BigQuery external tables alike.  ``run_id`` and ``rank`` live only in the folder names (a column
-repeated in the files would clash with the partition column in Spark); ``attempt`` (torchelastic's restart count)
+repeated in the files would clash with the partition column in Spark); ``restart`` (torchelastic's restart count)
 is a column, so a restarted job keeps every attempt side by side.
 
 A part is written under a temporary name and renamed, so it is whole or absent whatever kills the rank.  A rank
@@ -32,11 +32,11 @@ SHARD_TABLES: dict[str, type[Any]] = {**BULK_TABLES, **{c.TABLE: c for c in DIST
 
 
 def shard_schema(table: str) -> pa.Schema:
-    """The columns of a shard file: the table's, less the partition columns, plus ``attempt``."""
+    """The columns of a shard file: the table's, less the partition columns, plus ``restart``."""
     schema = arrow_schema(SHARD_TABLES[table])
     fields = [f for f in schema if f.name not in PATH_COLUMNS]
-    if "attempt" not in schema.names:
-        fields.append(pa.field("attempt", pa.int64()))
+    if "restart" not in schema.names:
+        fields.append(pa.field("restart", pa.int64()))
     return pa.schema(fields)
 
 
@@ -49,11 +49,11 @@ def partition_dir(root: Path, table: str, run_id: str, rank: int) -> Path:
 
 
 def to_shard(table: str, data: pa.Table, attempt: int) -> pa.Table:
-    """A table's rows in shard form (partition columns dropped, ``attempt`` set where the table has none)."""
+    """A table's rows in shard form (partition columns dropped, ``restart`` set where the table has none)."""
     data = data.cast(arrow_schema(SHARD_TABLES[table]))
     data = data.drop_columns([c for c in PATH_COLUMNS if c in data.column_names])
-    if "attempt" not in data.column_names:
-        data = data.append_column("attempt", pa.array([attempt] * data.num_rows, pa.int64()))
+    if "restart" not in data.column_names:
+        data = data.append_column("restart", pa.array([attempt] * data.num_rows, pa.int64()))
     return data.select(shard_schema(table).names)
 
 

@@ -30,8 +30,8 @@ _HIVE = "hive_partitioning = true, hive_types = {'run_id': VARCHAR, 'rank': BIGI
 
 def _columns(cls: type[Any], with_attempt: bool) -> list[tuple[str, str]]:
     cols = list(column_kinds(cls))
-    if with_attempt and "attempt" not in {n for n, _ in cols}:
-        cols.append(("attempt", "int"))
+    if with_attempt and "restart" not in {n for n, _ in cols}:
+        cols.append(("restart", "int"))
     return cols
 
 
@@ -91,8 +91,8 @@ def load_main_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, at
     for table, replace in plans.items():
         if not shard_files(root, table):
             continue
-        select = f"* EXCLUDE (attempt) REPLACE (? AS run_id{', ' + replace if replace else ''})"
-        where = "attempt = ?" + (" AND rank = ?" if table in ("ops", "op_diffs") else "")
+        select = f"* EXCLUDE (restart) REPLACE (? AS run_id{', ' + replace if replace else ''})"
+        where = "restart = ?" + (" AND rank = ?" if table in ("ops", "op_diffs") else "")
         params: list[Any] = [run_id, attempt] + ([ops_rank] if table in ("ops", "op_diffs") else [])
         con.execute(f"INSERT INTO {table} BY NAME SELECT {select} FROM {_source(root, table)} WHERE {where}", params)
 
@@ -103,9 +103,9 @@ def collective_events(con: duckdb.DuckDBPyConnection, root: Path) -> pa.Table | 
         return None
     return con.sql(
         f"""
-        SELECT rank, attempt, name, start_ns, dur_ns, shapes, dtypes FROM {_source(root, "trace_events")}
+        SELECT rank, restart, name, start_ns, dur_ns, shapes, dtypes FROM {_source(root, "trace_events")}
         WHERE category = 'user_annotation' AND (starts_with(name, 'gloo:') OR starts_with(name, 'nccl:'))
-        ORDER BY rank, attempt, start_ns
+        ORDER BY rank, restart, start_ns
         """
     ).to_arrow_table()
 
@@ -125,8 +125,8 @@ def numerics_counts(con: duckdb.DuckDBPyConnection, root: Path) -> list[tuple[in
     if not shard_files(root, "op_diffs"):
         return []
     rows = con.execute(
-        f"SELECT rank, attempt, count(*) FILTER (WHERE verdict != 'skip'), count(*) FILTER (WHERE verdict = 'fail') "
-        f"FROM {_source(root, 'op_diffs')} GROUP BY rank, attempt"
+        f"SELECT rank, restart, count(*) FILTER (WHERE verdict != 'skip'), count(*) FILTER (WHERE verdict = 'fail') "
+        f"FROM {_source(root, 'op_diffs')} GROUP BY rank, restart"
     ).fetchall()
     return [(int(a), int(b), int(c), int(d)) for a, b, c, d in rows]
 
@@ -135,7 +135,7 @@ def set_numerics_counts(con: duckdb.DuckDBPyConnection, run_id: str, counts: lis
     for rank, attempt, checked, failures in counts:
         con.execute(
             "UPDATE dist_ranks SET numerics_checked = ?, numerics_failures = ? "
-            "WHERE run_id = ? AND rank = ? AND attempt = ?",
+            "WHERE run_id = ? AND rank = ? AND restart = ?",
             [checked, failures, run_id, rank, attempt],
         )
 
@@ -145,7 +145,7 @@ def present_ranks(con: duckdb.DuckDBPyConnection, root: Path) -> set[tuple[int, 
     found: set[tuple[int, int]] = set()
     for table in ("trace_events", "steps", "compile_events", "ops", Fingerprint.TABLE):
         if shard_files(root, table):
-            rows = con.execute(f"SELECT DISTINCT rank, attempt FROM {_source(root, table)}").fetchall()
+            rows = con.execute(f"SELECT DISTINCT rank, restart FROM {_source(root, table)}").fetchall()
             found |= {(int(r), int(a)) for r, a in rows}
     return found
 
@@ -157,26 +157,26 @@ def _dicts(cur: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
 
 
 def ranks(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
-    return _dicts(con.execute("SELECT * FROM dist_ranks WHERE run_id = ? ORDER BY attempt, rank", [run_id]))
+    return _dicts(con.execute("SELECT * FROM dist_ranks WHERE run_id = ? ORDER BY restart, rank", [run_id]))
 
 
 def collectives(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[Collective]:
     cur = con.execute(
-        "SELECT * FROM dist_collectives WHERE run_id = ? AND attempt = ? ORDER BY rank, seq", [run_id, attempt]
+        "SELECT * FROM dist_collectives WHERE run_id = ? AND restart = ? ORDER BY rank, seq", [run_id, attempt]
     )
     return [Collective(**row) for row in _dicts(cur)]
 
 
 def fingerprints(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[Fingerprint]:
     cur = con.execute(
-        "SELECT * FROM dist_fingerprints WHERE run_id = ? AND attempt = ? ORDER BY step, kind, rank", [run_id, attempt]
+        "SELECT * FROM dist_fingerprints WHERE run_id = ? AND restart = ? ORDER BY step, kind, rank", [run_id, attempt]
     )
     return [Fingerprint(**row) for row in _dicts(cur)]
 
 
 def step_durations(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> dict[int, list[int]]:
     rows = con.execute(
-        "SELECT rank, list(dur_ns ORDER BY step) FROM dist_steps WHERE run_id = ? AND attempt = ? GROUP BY rank",
+        "SELECT rank, list(dur_ns ORDER BY step) FROM dist_steps WHERE run_id = ? AND restart = ? GROUP BY rank",
         [run_id, attempt],
     ).fetchall()
     return {int(r): [int(d) for d in durs] for r, durs in rows}
@@ -184,7 +184,7 @@ def step_durations(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) ->
 
 def compile_events(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[CompileEvent]:
     cur = con.execute(
-        "SELECT * EXCLUDE (attempt) FROM dist_compile_events WHERE run_id = ? AND attempt = ? ORDER BY rank, seq",
+        "SELECT * EXCLUDE (restart) FROM dist_compile_events WHERE run_id = ? AND restart = ? ORDER BY rank, seq",
         [run_id, attempt],
     )
     return [CompileEvent(**row) for row in _dicts(cur)]
