@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import duckdb
@@ -141,23 +140,11 @@ def test_shard_spool_writes_hive_partitions_and_moves_staged_parts(tmp_path: Pat
         spool.write_table("nope", pa.table({"a": [1]}))
 
 
-def test_collectives_from_trace_rows() -> None:
-    from tpudiag.distributed.merge import collectives_from_events
+def test_collective_bytes() -> None:
+    from tpudiag.distributed.merge import collective_bytes
 
-    rows = pa.table(
-        {
-            "rank": [0, 0, 1],
-            "restart": [0, 0, 0],
-            "name": ["gloo:broadcast", "gloo:all_reduce", "gloo:broadcast"],
-            "start_ns": [1, 2, 1],
-            "dur_ns": [5, 6, 7],
-            "shapes": [json.dumps([[3]]), json.dumps([[2, 4]]), json.dumps([[3]])],
-            "dtypes": [json.dumps(["int"]), json.dumps(["float"]), json.dumps(["int"])],
-        }
-    )
-    out = collectives_from_events("r", rows)
-    assert [(c.rank, c.seq, c.op, c.bytes) for c in out] == [
-        (0, 0, "broadcast", 12),
-        (0, 1, "all_reduce", 32),
-        (1, 0, "broadcast", 12),
-    ]
+    assert collective_bytes("[[2, 4]]", '["float"]') == 32
+    assert collective_bytes("[[3], [5]]", '["long int", "c10::BFloat16"]') == 3 * 8 + 5 * 2
+    assert collective_bytes("[[]]", '["float"]') == 4  # a scalar
+    assert collective_bytes(None, None) is None
+    assert collective_bytes("not json", None) is None

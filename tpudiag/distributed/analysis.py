@@ -84,13 +84,20 @@ def collective_mismatch(collectives: Iterable[Collective]) -> dict[str, Any] | N
     return None
 
 
-def stragglers(collectives: Iterable[Collective]) -> list[dict[str, Any]]:
-    """Ranks that arrived last at collectives, worst first (most time the others spent waiting for them)."""
+def stragglers(
+    collectives: Iterable[Collective], mismatch: dict[str, Any] | bool | None = False
+) -> list[dict[str, Any]]:
+    """Ranks that arrived last at collectives, worst first (most time the others spent waiting for them).
+
+    ``mismatch``: ``collective_mismatch`` of the same records when the caller has it already.
+    """
     per_rank = _by_rank(collectives)
     if len(per_rank) < 2:
         return []
     count = min(len(v) for v in per_rank.values())
-    mismatch = collective_mismatch(c for items in per_rank.values() for c in items)
+    if mismatch is False:
+        mismatch = collective_mismatch(c for items in per_rank.values() for c in items)
+    assert not isinstance(mismatch, bool)
     if mismatch is not None:
         count = min(count, int(mismatch["seq"]))  # after a mismatch the indexes no longer pair up
     late: dict[int, list[tuple[int, float]]] = defaultdict(list)

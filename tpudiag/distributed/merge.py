@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpudiag.distributed import analysis
-from tpudiag.distributed.records import Collective, RankInfo
+from tpudiag.distributed.records import RankInfo
 from tpudiag.model import Run, records_to_arrow
 from tpudiag.store import Store
 from tpudiag.store import distributed_queries as q
 
 if TYPE_CHECKING:
     import duckdb
-    import pyarrow as pa
 
 _ITEM_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4, "bool": 1}
 
@@ -34,7 +33,15 @@ def has_shards(run_dir: Path) -> bool:
     return root.is_dir() and any(root.glob("*/*/*/*.parquet"))
 
 
-def _bytes(shapes: list[Any], dtypes: list[Any]) -> int | None:
+def collective_bytes(shapes_json: str | None, dtypes_json: str | None) -> int | None:
+    """Bytes a collective moves, from its input dims and types as the trace records them (JSON lists)."""
+    try:
+        shapes = json.loads(shapes_json) if shapes_json else []
+        dtypes = json.loads(dtypes_json) if dtypes_json else []
+    except ValueError:
+        return None
+    if not isinstance(shapes, list) or not isinstance(dtypes, list):
+        return None
     total = 0
     for dims, dtype in zip(shapes, dtypes, strict=False):
         if not isinstance(dims, list) or not all(isinstance(d, int) for d in dims):
@@ -44,35 +51,6 @@ def _bytes(shapes: list[Any], dtypes: list[Any]) -> int | None:
             n *= d
         total += n * _ITEM_BYTES.get(str(dtype), 4)
     return total or None
-
-
-def collectives_from_events(run_id: str, events: pa.Table | None) -> list[Collective]:
-    """Each rank's communication ranges, numbered in the order the rank entered them."""
-    if events is None:
-        return []
-    out: list[Collective] = []
-    counters: dict[tuple[int, int], int] = {}
-    for row in events.to_pylist():
-        key = (int(row["rank"]), int(row["restart"]))
-        seq = counters.get(key, 0)
-        counters[key] = seq + 1
-        shapes = json.loads(row["shapes"]) if row["shapes"] else []
-        dtypes = json.loads(row["dtypes"]) if row["dtypes"] else []
-        out.append(
-            Collective(
-                run_id=run_id,
-                rank=key[0],
-                seq=seq,
-                op=str(row["name"]).split(":", 1)[-1],
-                restart=key[1],
-                shapes=row["shapes"],
-                dtypes=row["dtypes"],
-                bytes=_bytes(shapes, dtypes),
-                start_ns=row["start_ns"],
-                dur_ns=row["dur_ns"],
-            )
-        )
-    return out
 
 
 def _lost_ranks(run_id: str, infos: list[dict[str, Any]], present: set[tuple[int, int]]) -> list[RankInfo]:
@@ -98,8 +76,8 @@ def finish(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection
     q.ensure_tables(con)
     q.clear_run(con, run.id)
     q.load_rank_tables(con, root, run.id)
-    collectives = collectives_from_events(run.id, q.collective_events(con, root))
-    q.insert_arrow(con, Collective.TABLE, records_to_arrow(Collective, collectives))
+    pairs = q.load_collectives(con, root, run.id)
+    q.set_bytes(con, run.id, {p: collective_bytes(*p) for p in pairs})
     infos = q.ranks(con, run.id)
     lost = _lost_ranks(run.id, infos, q.present_ranks(con, root))
     q.insert_arrow(con, RankInfo.TABLE, records_to_arrow(RankInfo, lost))

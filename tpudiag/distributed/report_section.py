@@ -43,6 +43,7 @@ def assemble(
     last = max(int(r["restart"]) for r in infos)
     current = [r for r in infos if int(r["restart"]) == last]
     spread = analysis.step_spread(steps)
+    mismatch = analysis.collective_mismatch(collectives)
     waits = analysis.collective_wait(collectives)
     ranks = []
     for r in current:
@@ -73,8 +74,8 @@ def assemble(
         "attempts": attempts,
         "first_failure": attempts[-1]["first_failure"],
         "ranks": ranks,
-        "stragglers": analysis.stragglers(collectives),
-        "collective_mismatch": analysis.collective_mismatch(collectives),
+        "stragglers": analysis.stragglers(collectives, mismatch),
+        "collective_mismatch": mismatch,
         "rank_divergence": analysis.rank_divergence(fingerprints),
         "compile_divergence": analysis.compile_divergence(compiles),
     }

@@ -97,17 +97,48 @@ def load_main_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, at
         con.execute(f"INSERT INTO {table} BY NAME SELECT {select} FROM {_source(root, table)} WHERE {where}", params)
 
 
-def collective_events(con: duckdb.DuckDBPyConnection, root: Path) -> pa.Table | None:
-    """The communication ranges of every rank's trace (gloo/NCCL annotations), ordered as each rank ran them."""
+SizeKey = tuple[str | None, str | None]
+
+
+def load_collectives(con: duckdb.DuckDBPyConnection, root: Path, run_id: str) -> list[SizeKey]:
+    """Every rank's communication ranges (gloo/NCCL annotations) into ``dist_collectives``, numbered per rank in
+    the order it entered them; returns the distinct (shapes, dtypes) pairs, whose byte counts ``set_bytes`` adds."""
     if not shard_files(root, "trace_events"):
-        return None
-    return con.sql(
+        return []
+    con.execute(
         f"""
-        SELECT rank, restart, name, start_ns, dur_ns, shapes, dtypes FROM {_source(root, "trace_events")}
+        INSERT INTO dist_collectives BY NAME
+        SELECT ? AS run_id, rank, restart, split_part(name, ':', 2) AS op, shapes, dtypes, start_ns, dur_ns,
+               row_number() OVER (PARTITION BY rank, restart ORDER BY start_ns, event_id) - 1 AS seq
+        FROM {_source(root, "trace_events")}
         WHERE category = 'user_annotation' AND (starts_with(name, 'gloo:') OR starts_with(name, 'nccl:'))
-        ORDER BY rank, restart, start_ns
-        """
-    ).to_arrow_table()
+        """,
+        [run_id],
+    )
+    rows = con.execute("SELECT DISTINCT shapes, dtypes FROM dist_collectives WHERE run_id = ?", [run_id]).fetchall()
+    return [(a, b) for a, b in rows]
+
+
+def set_bytes(
+    con: duckdb.DuckDBPyConnection, run_id: str, sizes: dict[tuple[str | None, str | None], int | None]
+) -> None:
+    import pyarrow as pa
+
+    known = [(k, v) for k, v in sizes.items() if v is not None]
+    if not known:
+        return
+    table = pa.table(
+        {"shapes": [k[0] for k, _ in known], "dtypes": [k[1] for k, _ in known], "n": [v for _, v in known]}
+    )
+    con.register("tpudiag_dist_sizes", table)
+    try:
+        con.execute(
+            "UPDATE dist_collectives AS c SET bytes = s.n FROM tpudiag_dist_sizes AS s "
+            "WHERE c.run_id = ? AND c.shapes IS NOT DISTINCT FROM s.shapes AND c.dtypes IS NOT DISTINCT FROM s.dtypes",
+            [run_id],
+        )
+    finally:
+        con.unregister("tpudiag_dist_sizes")
 
 
 def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> None:
@@ -164,7 +195,8 @@ def collectives(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> li
     cur = con.execute(
         "SELECT * FROM dist_collectives WHERE run_id = ? AND restart = ? ORDER BY rank, seq", [run_id, attempt]
     )
-    return [Collective(**row) for row in _dicts(cur)]
+    names = [d[0] for d in cur.description or []]
+    return [Collective(**dict(zip(names, row, strict=True))) for row in cur.fetchall()]
 
 
 def fingerprints(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[Fingerprint]:
