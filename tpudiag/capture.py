@@ -163,9 +163,9 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
     )
     with store.writer() as w:
         store.finish_run(run_id, spool.directory, con=w)
-        if spawned is not None:
-            final = spawn.merge_ranks(store, final, run_dir, con=w)
         store.put_run(final, con=w)
+    if spawned is not None:
+        final = spawn.merge_ranks(store, final, run_dir)
     with contextlib.suppress(OSError):
         _remove_empty_tree(spool.directory)
     return CaptureResult(run_id, outcome.exit_code, outcome.status, active, ctx)

@@ -133,7 +133,5 @@ def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureR
         device_name=device_name,
         notes=list(ctx.notes) + ([f"launcher ended with {outcome.error}"] if outcome.error else []),
     )
-    with store.writer() as w:
-        final = merge.finish(store, final, Path(run_dir), con=w)
-        store.put_run(final, con=w)
+    final = merge.store_merged(store, final, lambda w: merge.finish(store, final, run_dir, con=w))
     return CaptureResult(run_id, outcome.exit_code, final.status, [], ctx)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpudiag.distributed import analysis
 from tpudiag.distributed.records import RankInfo
+from tpudiag.errors import TpudiagError
 from tpudiag.model import Run, records_to_arrow
 from tpudiag.store import Store
 from tpudiag.store import distributed_queries as q
@@ -106,3 +108,23 @@ def finish(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection
     if attempts > 1:
         notes.append(f"the job ran {attempts} attempts (torchelastic restarts); each is kept")
     return dataclasses.replace(run, status=status, notes=notes)
+
+
+def store_merged(store: Store, run: Run, finish: Callable[[duckdb.DuckDBPyConnection], Run]) -> Run:
+    """Merge in one transaction and store the run; if the merge fails, the run is stored anyway, saying why.
+
+    The ranks' shards stay on disk either way (``<run folder>/shards``), readable with DuckDB or Spark.
+    """
+    try:
+        with store.writer() as w:
+            merged = finish(w)
+            store.put_run(merged, con=w)
+        return merged
+    except TpudiagError:
+        raise
+    except Exception as err:  # a shard we cannot read must not lose the run
+        failed = dataclasses.replace(
+            run, notes=[*run.notes, f"the ranks' shards could not be merged ({type(err).__name__}: {err})"]
+        )
+        store.put_run(failed)
+        return failed

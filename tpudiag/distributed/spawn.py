@@ -115,7 +115,7 @@ def install(
     return patch
 
 
-def merge_ranks(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection) -> Run:
+def merge_ranks(store: Store, run: Run, run_dir: Path) -> Run:
     """The spawned ranks' shards into the run's ``dist_*`` tables.
 
     The run's own tables keep the parent process's data, relabelled rank -1 (it is not a rank of the job).
@@ -124,5 +124,8 @@ def merge_ranks(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConne
         return run
     from tpudiag.store import distributed_queries
 
-    distributed_queries.mark_parent_rows(con, run.id)
-    return merge.finish(store, run, run_dir, con=con, main_tables=False)
+    def finish(w: duckdb.DuckDBPyConnection) -> Run:
+        distributed_queries.mark_parent_rows(w, run.id)
+        return merge.finish(store, run, run_dir, con=w, main_tables=False)
+
+    return merge.store_merged(store, run, finish)

@@ -91,7 +91,8 @@ def load_main_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, at
     for table, replace in plans.items():
         if not shard_files(root, table):
             continue
-        select = f"* EXCLUDE (restart) REPLACE (? AS run_id{', ' + replace if replace else ''})"
+        drop = "restart, rank" if table in ("ops", "op_diffs") else "restart"  # these two have no rank column
+        select = f"* EXCLUDE ({drop}) REPLACE (? AS run_id{', ' + replace if replace else ''})"
         where = "restart = ?" + (" AND rank = ?" if table in ("ops", "op_diffs") else "")
         params: list[Any] = [run_id, attempt] + ([ops_rank] if table in ("ops", "op_diffs") else [])
         con.execute(f"INSERT INTO {table} BY NAME SELECT {select} FROM {_source(root, table)} WHERE {where}", params)
