@@ -13,7 +13,7 @@ from tests.factories import make_run
 from tpudiag.distributed import merge, report_section
 from tpudiag.distributed.records import Fingerprint, RankInfo
 from tpudiag.distributed.shards import ShardSpool
-from tpudiag.model import Step, TraceEvent, arrow_schema
+from tpudiag.model import OpDiff, OpRecord, Step, TraceEvent, arrow_schema
 from tpudiag.store import Store
 
 MAIN = Path(__file__).resolve().parents[1] / "app" / "main.py"
@@ -52,6 +52,10 @@ def build(store: Store, lost_rank: bool = False) -> str:
             Fingerprint,
             [Fingerprint(run.id, rank, s, "param", "x" if rank == 1 and s >= 4 else f"p{s}") for s in range(STEPS)],
         )
+        # Numerics of each rank: rank 2 has one failing output.
+        spool.write_records(OpRecord, [OpRecord(run.id, 0, "aten::mm", checked=True)])
+        verdict = "fail" if rank == 2 else "pass"
+        spool.write_records(OpDiff, [OpDiff(run.id, 0, 0, verdict), OpDiff(run.id, 0, 1, "skip")])
         if not (lost_rank and rank == 1):
             spool.write_records(
                 RankInfo,
@@ -82,6 +86,10 @@ def test_merge_and_section(tmp_path: Path) -> None:
             [rid],
         ).fetchall()
     assert rows == [(0, STEPS, STEPS), (1, STEPS, STEPS), (2, STEPS, STEPS)]
+    assert [r["numerics_failures"] for r in section["ranks"]] == [0, 0, 1]
+    with store.reader() as con:
+        ops = con.execute("SELECT count(*) FROM ops WHERE run_id = ?", [rid]).fetchall()
+    assert ops == [(1,)]  # the lowest rank's numerics only: the numerics section reads as one rank's
     text = "\n".join(report_section.render_section(section))
     assert "rank 2: chronic, last at 6/6 collectives" in text
     assert "only rank 1 diverges from the others, from step 4 (params)" in text
