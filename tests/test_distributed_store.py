@@ -20,7 +20,7 @@ MAIN = Path(__file__).resolve().parents[1] / "app" / "main.py"
 STEPS = 6
 
 
-def _collectives(run_id: str, rank: int) -> pa.Table:
+def _collectives(run_id: str, rank: int, mismatch_at: int | None = None) -> pa.Table:
     n = STEPS
     cols = {
         "run_id": [run_id] * n,
@@ -33,20 +33,20 @@ def _collectives(run_id: str, rank: int) -> pa.Table:
         "start_ns": [s * 10_000_000 for s in range(n)],
         "dur_ns": [200_000 if rank == 2 else 6_000_000] * n,  # rank 2 arrives last: it waits least
         "self_ns": [1] * n,
-        "shapes": ["[[36]]"] * n,
+        "shapes": ["[[6, 6]]" if (s == mismatch_at and rank == 1) else "[[36]]" for s in range(n)],
         "dtypes": ['["float"]'] * n,
     }
     schema = arrow_schema(TraceEvent)
     return pa.table({f.name: cols.get(f.name, pa.nulls(n, f.type)) for f in schema}, schema=schema)
 
 
-def build(store: Store, lost_rank: bool = False) -> str:
+def build(store: Store, lost_rank: bool = False, mismatch_at: int | None = None) -> str:
     run = make_run(artifacts_dir=None)
     run_dir = store.run_dir(run.id)
     root = run_dir / "shards"
     for rank in range(3):
         spool = ShardSpool(root, run_dir / "staging", run.id, rank, 0)
-        spool.write_table("trace_events", _collectives(run.id, rank))
+        spool.write_table("trace_events", _collectives(run.id, rank, mismatch_at))
         spool.write_records(Step, [Step(run.id, s, s * 10, 9_000_000 + rank, "optimizer") for s in range(STEPS)])
         spool.write_records(
             Fingerprint,
@@ -139,3 +139,27 @@ def test_ranks_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert stragglers[0]["straggler rank"] == 2 and stragglers[0]["kind"] == "chronic"
     texts = [t.value for t in at.text]
     assert any("only rank 1 diverges" in t for t in texts)
+
+
+def test_sql_aggregates_agree_with_the_pure_functions(tmp_path: Path) -> None:
+    """The report aggregates collectives in SQL; ``analysis`` is the specification it must match."""
+    from tpudiag.distributed import analysis
+    from tpudiag.store import distributed_queries as q
+
+    store = Store(tmp_path / "s.duckdb")
+    rid = build(store, mismatch_at=4)
+    with store.reader() as con:
+        everything = q.collectives(con, rid, 0)
+        expected_mismatch = analysis.collective_mismatch(everything)
+        got_mismatch = analysis.collective_mismatch(q.first_mismatch(con, rid, 0), all_ranks=[0, 1, 2])
+        count = analysis.paired_count([STEPS] * 3, expected_mismatch)
+        sql_late = q.lateness(con, rid, 0, count)
+        waits = q.waits_before(con, rid, 0, count)
+    assert expected_mismatch is not None and expected_mismatch["seq"] == 4
+    assert got_mismatch == expected_mismatch
+    assert count == 4
+    assert sql_late == analysis.lateness(everything, count)
+    assert analysis.stragglers_from(sql_late, count, waits) == analysis.stragglers(everything)
+    section = report_section.build_section(store, {"id": rid})
+    assert section is not None and section["collective_mismatch"]["ranks"] == [0, 1, 2]
+    assert section["stragglers"][0]["collectives"] == 4

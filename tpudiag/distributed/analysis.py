@@ -17,6 +17,7 @@ import json
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tpudiag.distributed.records import Collective, Fingerprint
@@ -47,17 +48,24 @@ def _signature(c: Collective) -> tuple[str, str | None, str | None]:
     return (c.op, c.shapes, c.dtypes)
 
 
-def collective_mismatch(collectives: Iterable[Collective]) -> dict[str, Any] | None:
-    """The first collective index where the ranks' (op, shapes, dtypes) differ, with the ranks on each side."""
-    per_rank = _by_rank(collectives)
-    if len(per_rank) < 2:
+def collective_mismatch(
+    collectives: Iterable[Collective], all_ranks: Iterable[int] | None = None
+) -> dict[str, Any] | None:
+    """The first collective (by ``seq``) where the ranks' (op, shapes, dtypes) differ or a rank is missing.
+
+    ``all_ranks``: the ranks of the job, when ``collectives`` holds only some seqs (a rank absent there is missing).
+    """
+    per_rank: dict[int, dict[int, Collective]] = defaultdict(dict)
+    for c in collectives:
+        per_rank[c.rank][c.seq] = c
+    ranks_all = sorted(set(per_rank) | set(all_ranks or ()))
+    if len(ranks_all) < 2:
         return None
-    longest = max(len(v) for v in per_rank.values())
-    for seq in range(longest):
+    for seq in sorted({s for items in per_rank.values() for s in items}):
         groups: dict[tuple[str, str | None, str | None] | None, list[int]] = defaultdict(list)
-        for rank in sorted(per_rank):
-            items = per_rank[rank]
-            groups[_signature(items[seq]) if seq < len(items) else None].append(rank)
+        for rank in ranks_all:
+            item = per_rank.get(rank, {}).get(seq)
+            groups[_signature(item) if item is not None else None].append(rank)
         if len(groups) == 1:
             continue
         ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
@@ -84,38 +92,51 @@ def collective_mismatch(collectives: Iterable[Collective]) -> dict[str, Any] | N
     return None
 
 
-def stragglers(
-    collectives: Iterable[Collective], mismatch: dict[str, Any] | bool | None = False
-) -> list[dict[str, Any]]:
-    """Ranks that arrived last at collectives, worst first (most time the others spent waiting for them).
+@dataclass(frozen=True)
+class Lateness:
+    """One collective: the rank that waited least in it, and the median wait of the others."""
 
-    ``mismatch``: ``collective_mismatch`` of the same records when the caller has it already.
+    seq: int
+    rank: int
+    rank_ns: float
+    others_ns: float
+
+
+def lateness(collectives: Iterable[Collective], count: int) -> list[Lateness]:
+    """Per collective ``seq < count``: who arrived last (least wait; ties: lowest rank).
+
+    ``tpudiag.store.distributed_queries.lateness`` computes the same rows in SQL for big jobs.
     """
-    per_rank = _by_rank(collectives)
-    if len(per_rank) < 2:
-        return []
-    count = min(len(v) for v in per_rank.values())
-    if mismatch is False:
-        mismatch = collective_mismatch(c for items in per_rank.values() for c in items)
-    assert not isinstance(mismatch, bool)
-    if mismatch is not None:
-        count = min(count, int(mismatch["seq"]))  # after a mismatch the indexes no longer pair up
-    late: dict[int, list[tuple[int, float]]] = defaultdict(list)
-    for seq in range(count):
-        durs = {rank: float(items[seq].dur_ns or 0) for rank, items in per_rank.items()}
-        last = min(durs, key=lambda r: (durs[r], r))
-        others = statistics.median(d for r, d in durs.items() if r != last)
-        gap = others - durs[last]
-        if gap >= LATE_MIN_NS and gap >= LATE_FRACTION * others:
-            late[last].append((seq, gap))
+    durs: dict[int, dict[int, float]] = defaultdict(dict)
+    for c in collectives:
+        if c.seq < count:
+            durs[c.seq][c.rank] = float(c.dur_ns or 0)
+    out = []
+    for seq in sorted(durs):
+        by_rank = durs[seq]
+        if len(by_rank) < 2:
+            continue
+        last = min(by_rank, key=lambda r: (by_rank[r], r))
+        others = statistics.median(d for r, d in by_rank.items() if r != last)
+        out.append(Lateness(seq, last, by_rank[last], others))
+    return out
+
+
+def stragglers_from(late: Iterable[Lateness], count: int, waits: Mapping[int, float]) -> list[dict[str, Any]]:
+    """Stragglers from per-collective lateness over ``count`` collectives; ``waits``: each rank's time in them."""
+    hits_by_rank: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for row in late:
+        gap = row.others_ns - row.rank_ns
+        if gap >= LATE_MIN_NS and gap >= LATE_FRACTION * row.others_ns:
+            hits_by_rank[row.rank].append((row.seq, gap))
     out: list[dict[str, Any]] = []
-    for rank, hits in late.items():
+    for rank, hits in hits_by_rank.items():
         fraction = len(hits) / count if count else 0.0
         kind = "chronic" if fraction >= CHRONIC_FRACTION else ("one-off" if len(hits) == 1 else "intermittent")
         out.append(
             {
                 "rank": rank,
-                "wait_s": _s(sum(float(c.dur_ns or 0) for c in per_rank[rank][:count])),
+                "wait_s": _s(waits.get(rank, 0.0)),
                 "others_waited_s": _s(sum(g for _, g in hits)),
                 "late_at": len(hits),
                 "collectives": count,
@@ -128,16 +149,22 @@ def stragglers(
     return out
 
 
-def collective_wait(collectives: Iterable[Collective]) -> dict[int, dict[str, Any]]:
-    """Per rank: how many collectives it ran and the time it spent in them."""
-    out: dict[int, dict[str, Any]] = {}
-    for rank, items in _by_rank(collectives).items():
-        out[rank] = {
-            "collectives": len(items),
-            "collective_s": _s(sum(float(c.dur_ns or 0) for c in items)),
-            "collective_bytes": sum(c.bytes or 0 for c in items),
-        }
-    return out
+def paired_count(counts: Iterable[int], mismatch: Mapping[str, Any] | None) -> int:
+    """How many collectives pair up across ranks: the fewest any rank ran, and none from a mismatch on."""
+    values = list(counts)
+    count = min(values) if values else 0
+    return min(count, int(mismatch["seq"])) if mismatch is not None else count
+
+
+def stragglers(collectives: Iterable[Collective]) -> list[dict[str, Any]]:
+    """Ranks that arrived last at collectives, worst first (most time the others spent waiting for them)."""
+    items = list(collectives)
+    per_rank = _by_rank(items)
+    if len(per_rank) < 2:
+        return []
+    count = paired_count((len(v) for v in per_rank.values()), collective_mismatch(items))
+    waits = {r: sum(float(c.dur_ns or 0) for c in v if c.seq < count) for r, v in per_rank.items()}
+    return stragglers_from(lateness(items, count), count, waits)
 
 
 def _reference(groups: Mapping[str, list[int]]) -> str:

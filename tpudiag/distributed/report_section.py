@@ -25,33 +25,42 @@ def build_section(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
         if not infos:
             return None
         last = max(int(r["restart"]) for r in infos)
-        collectives = q.collectives(con, run["id"], last)
+        # Collectives are aggregated in SQL (ranks x collectives rows never come to Python); the pure functions
+        # of ``analysis`` get the few rows they decide on.
+        counts = q.collective_counts(con, run["id"], last)
+        ranks = [int(r["rank"]) for r in infos if int(r["restart"]) == last]
+        mismatch = analysis.collective_mismatch(q.first_mismatch(con, run["id"], last), all_ranks=ranks)
+        paired = analysis.paired_count((c["collectives"] for c in counts.values()), mismatch) if counts else 0
+        stragglers = analysis.stragglers_from(
+            q.lateness(con, run["id"], last, paired), paired, q.waits_before(con, run["id"], last, paired)
+        )
         fingerprints = q.fingerprints(con, run["id"], last)
         steps = q.step_durations(con, run["id"], last)
         compiles = q.compile_events(con, run["id"], last)
-    return assemble(infos, collectives, fingerprints, steps, compiles)
+    return assemble(infos, counts, mismatch, stragglers, fingerprints, steps, compiles)
 
 
 def assemble(
     infos: list[dict[str, Any]],
-    collectives: list[Any],
+    counts: dict[int, dict[str, Any]],
+    mismatch: dict[str, Any] | None,
+    stragglers: list[dict[str, Any]],
     fingerprints: list[Any],
     steps: dict[int, list[int]],
     compiles: list[Any],
 ) -> dict[str, Any]:
-    """The section from per-rank records (pure: the store reads are in ``build_section``)."""
+    """The section from per-rank records and the collective findings (pure: the store reads are in
+    ``build_section``)."""
     last = max(int(r["restart"]) for r in infos)
     current = [r for r in infos if int(r["restart"]) == last]
     spread = analysis.step_spread(steps)
-    mismatch = analysis.collective_mismatch(collectives)
-    waits = analysis.collective_wait(collectives)
     ranks = []
     for r in current:
         row = {k: r.get(k) for k in RANK_KEYS}
         row["attempt"] = last
         row["numerics_failures"] = r.get("numerics_failures")
         row.update(spread.get(int(r["rank"]), {"steps": 0}))
-        row.update(waits.get(int(r["rank"]), {"collectives": 0, "collective_s": 0.0}))
+        row.update(counts.get(int(r["rank"]), {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0}))
         ranks.append(row)
     attempts = []
     for attempt in sorted({int(r["restart"]) for r in infos}):
@@ -74,7 +83,7 @@ def assemble(
         "attempts": attempts,
         "first_failure": attempts[-1]["first_failure"],
         "ranks": ranks,
-        "stragglers": analysis.stragglers(collectives, mismatch),
+        "stragglers": stragglers,
         "collective_mismatch": mismatch,
         "rank_divergence": analysis.rank_divergence(fingerprints),
         "compile_divergence": analysis.compile_divergence(compiles),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tpudiag.distributed.analysis import Lateness
 from tpudiag.distributed.records import Collective, Fingerprint, RankInfo
 from tpudiag.distributed.shards import table_glob
 from tpudiag.model import CompileEvent, Step, column_kinds
@@ -198,6 +199,68 @@ def collectives(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> li
     )
     names = [d[0] for d in cur.description or []]
     return [Collective(**dict(zip(names, row, strict=True))) for row in cur.fetchall()]
+
+
+def collective_counts(con: duckdb.DuckDBPyConnection, run_id: str, restart: int) -> dict[int, dict[str, Any]]:
+    """Per rank: collectives run, seconds inside them, bytes moved."""
+    rows = con.execute(
+        "SELECT rank, count(*), coalesce(sum(dur_ns), 0), coalesce(sum(bytes), 0) FROM dist_collectives "
+        "WHERE run_id = ? AND restart = ? GROUP BY rank",
+        [run_id, restart],
+    ).fetchall()
+    return {
+        int(r): {"collectives": int(n), "collective_s": round(float(ns) / 1e9, 6), "collective_bytes": int(b)}
+        for r, n, ns, b in rows
+    }
+
+
+def first_mismatch(con: duckdb.DuckDBPyConnection, run_id: str, restart: int) -> list[Collective]:
+    """The collectives at the first seq where ranks differ (op, shapes, dtypes) or one is missing; [] if none."""
+    rows = con.execute(
+        """
+        WITH c AS (SELECT * FROM dist_collectives WHERE run_id = ? AND restart = ?),
+        s AS (
+            SELECT seq, count(DISTINCT (op, coalesce(shapes, ''), coalesce(dtypes, ''))) AS sigs, count(*) AS n
+            FROM c GROUP BY seq
+        )
+        SELECT min(seq) FROM s WHERE sigs > 1 OR n < (SELECT count(DISTINCT rank) FROM c)
+        """,
+        [run_id, restart],
+    ).fetchall()
+    if not rows or rows[0][0] is None:
+        return []
+    cur = con.execute(
+        "SELECT * FROM dist_collectives WHERE run_id = ? AND restart = ? AND seq = ? ORDER BY rank",
+        [run_id, restart, int(rows[0][0])],
+    )
+    names = [d[0] for d in cur.description or []]
+    return [Collective(**dict(zip(names, row, strict=True))) for row in cur.fetchall()]
+
+
+def lateness(con: duckdb.DuckDBPyConnection, run_id: str, restart: int, count: int) -> list[Lateness]:
+    """``analysis.lateness`` in SQL: per collective, the rank that waited least and the others' median wait."""
+    rows = con.execute(
+        """
+        WITH o AS (
+            SELECT seq, rank, coalesce(dur_ns, 0)::DOUBLE AS d,
+                   row_number() OVER (PARTITION BY seq ORDER BY coalesce(dur_ns, 0), rank) AS pos
+            FROM dist_collectives WHERE run_id = ? AND restart = ? AND seq < ?
+        )
+        SELECT seq, min(rank) FILTER (WHERE pos = 1), min(d) FILTER (WHERE pos = 1), median(d) FILTER (WHERE pos > 1)
+        FROM o GROUP BY seq HAVING count(*) > 1 ORDER BY seq
+        """,
+        [run_id, restart, count],
+    ).fetchall()
+    return [Lateness(int(a), int(b), float(c), float(d)) for a, b, c, d in rows]
+
+
+def waits_before(con: duckdb.DuckDBPyConnection, run_id: str, restart: int, count: int) -> dict[int, float]:
+    rows = con.execute(
+        "SELECT rank, coalesce(sum(dur_ns), 0) FROM dist_collectives WHERE run_id = ? AND restart = ? AND seq < ? "
+        "GROUP BY rank",
+        [run_id, restart, count],
+    ).fetchall()
+    return {int(r): float(ns) for r, ns in rows}
 
 
 def fingerprints(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[Fingerprint]:
