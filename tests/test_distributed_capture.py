@@ -237,16 +237,16 @@ def test_spawned_workers_are_ranks(tmp_path: Path) -> None:
     env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     res = run_tpudiag("capture", "--db", str(db), "--collect", "trace", str(script), cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr
-    pids = {}
+    pids: dict[int, tuple[int, int]] = {}
     for line in res.stdout.splitlines():
-        _, index, _, rank, _, pid = line.split()
-        pids[int(rank)] = (int(index), int(pid))
+        words = line.split()  # "index I rank R pid P"
+        pids[int(words[3])] = (int(words[1]), int(words[5]))
     dist = _report(db)["distributed"]
     assert dist["world_size"] == 2
     got = {r["rank"]: r for r in dist["ranks"]}
     assert sorted(got) == [0, 1]
-    for rank, (index, pid) in pids.items():
-        assert index == 1 - rank
+    for rank, (spawn_index, pid) in pids.items():
+        assert spawn_index == 1 - rank
         assert got[rank]["pid"] == pid  # the rank learned at init_process_group, not the spawn index
         assert got[rank]["steps"] == 2
     assert dist["rank_divergence"] is None  # same seed, all-reduced gradients: same numbers
