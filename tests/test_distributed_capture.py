@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import run_tpudiag
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # real torchrun / mp.spawn / Spark jobs
 ENV = {"OMP_NUM_THREADS": "1", "TPUDIAG_FLUSH_S": "2"}
 
 DDP_JOB = r"""
