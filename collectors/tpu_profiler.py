@@ -180,6 +180,7 @@ class TpuTraceSession:
 def session_for(ctx: CaptureContext, rank: int = 0) -> TpuTraceSession | None:
     """A session for this capture when a TPU is in use; otherwise None, with a note when TorchTPU is loaded."""
     if tpu_in_use():
+        rank = int(ctx.options.get("rank", rank))  # a rank of a distributed job: its own worker_rank / file name
         return TpuTraceSession(ctx.run_dir / "trace" / "tpu", rank=rank)
     if torch_tpu_loaded():
         ctx.note("TorchTPU is loaded but no TPU is in use: the TPU trace was skipped (host trace only)")

@@ -133,9 +133,16 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
                 ctx.note(f"collector {c.name} failed to start: {err}")
         flusher = _Flusher(store, run_id, spool, active, options.flush_interval_s)
         flusher.start()
+    from tpudiag.distributed import spawn  # torch.multiprocessing.spawn workers become ranks of this run
+
+    spawned = spawn.install(
+        run_id, str(run_dir), options.collect, options.collector_options, options.flush_interval_s, ctx.note
+    )
     t0 = clock.monotonic()
     outcome = runner.run(target)
     duration = clock.monotonic() - t0
+    if spawned is not None:
+        spawned.remove()
     flusher.stop()
 
     for c in reversed(active):
@@ -162,6 +169,8 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
     with store.writer() as w:
         store.finish_run(run_id, spool.directory, con=w)
         store.put_run(final, con=w)
+    if spawned is not None:
+        final = spawn.merge_ranks(store, final, run_dir)
     with contextlib.suppress(OSError):
         _remove_empty_tree(spool.directory)
     return CaptureResult(run_id, outcome.exit_code, outcome.status, active, ctx, errors_line)
@@ -178,8 +187,11 @@ def _remove_empty_tree(folder: Path) -> None:
 
 def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
     """The capture command's body: capture, print the one closing line, return the script's exit code."""
+    from tpudiag.distributed import launch
+
+    target = launch.normalize(target)
     try:
-        result = capture(target, options)
+        result = launch.capture_launcher(target, options) if launch.is_launcher(target) else capture(target, options)
     except StoreError as err:
         # The script may already have run; its data stays in the spool for the next command to recover.
         _warn(str(err))

@@ -52,6 +52,7 @@ SECTIONS: dict[str, str] = {
     "compile": "tpudiag.compile_report:build_section:render_section",
     "numerics": "tpudiag.numerics_report:build_section:render_section",
     "hlo_ops": "tpudiag.hlo_report:build_section:render_section",
+    "distributed": "tpudiag.distributed.report_section:build_section:render_section",
 }
 
 

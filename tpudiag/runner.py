@@ -40,6 +40,12 @@ class Outcome:
     error: str | None = None
 
 
+# The script's module globals stay alive until the interpreter exits, as under ``python script.py``.  Dropping them
+# when ``runpy`` returns would destroy the script's objects mid-process: a DDP model's gloo process group then joins
+# its worker thread while holding the GIL that thread waits for (a hang seen in torchrun workers under capture).
+_SCRIPT_GLOBALS: list[dict[str, object]] = []
+
+
 class Terminated(BaseException):
     """Raised in the main thread on SIGTERM so the capture can finish storing the run."""
 
@@ -134,12 +140,12 @@ def run(target: Target) -> Outcome:
                 sys.path[0] = script_dir
             else:
                 sys.path.insert(0, script_dir)
-            runpy.run_path(target.name, run_name="__main__")
+            _SCRIPT_GLOBALS.append(runpy.run_path(target.name, run_name="__main__"))
         else:
             sys.argv = [target.name, *target.args]  # run_module replaces argv[0] with the module's file
             if sys.path:
                 sys.path[0] = os.getcwd()
-            runpy.run_module(target.name, run_name="__main__", alter_sys=True)
+            _SCRIPT_GLOBALS.append(runpy.run_module(target.name, run_name="__main__", alter_sys=True))
         return Outcome(0, "ok")
     except SystemExit as exc:
         code = _exit_code_of(exc)

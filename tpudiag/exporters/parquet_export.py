@@ -7,6 +7,7 @@ Rows stream from DuckDB as Arrow record batches straight into the Parquet writer
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,26 @@ class ParquetExporter:
                         writer.write_table(pa.Table.from_batches([batch], schema=schema))
                         progress.advance(batch.num_rows)
                 written.append(path)
+            written += _rank_partitions(con, run["id"], out_dir)
         progress.finish()
         return written
+
+
+def _rank_partitions(con: Any, run_id: str, out_dir: Path) -> list[Path]:
+    """A distributed run's per-rank tables, also in the shards' hive layout under ``<out>/shards/``."""
+    import shutil
+
+    from tpudiag.store import distributed_queries
+
+    final, tmp = out_dir / "shards", out_dir / f".shards.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = distributed_queries.export_partitions(con, run_id, tmp)
+    if not files:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return []
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)  # whole or absent, like every exported file
+    return [final / p.relative_to(tmp) for p in files]
 
 
 def read_schema_version(path: Path) -> int | None:

@@ -1,0 +1,137 @@
+"""``tpudiag capture -m torch.distributed.run ...`` (or ``tpudiag capture torchrun ...``): one run for the job.
+
+The launcher (torchrun's elastic agent) runs in tpudiag's process exactly as ``python -m torch.distributed.run``
+would run it, with no collector: only its workers are ranks.  Workers are reached through ``PYTHON_EXEC``, the
+interpreter torchrun starts each worker with: it points at a shell wrapper in the run folder that runs
+``python -u -m tpudiag.distributed.worker <torchrun's worker arguments>``.  That reaches exactly torchrun's own
+children (a DataLoader worker or an Inductor compile worker is started with ``sys.executable`` and is not a
+rank), survives ``--max-restarts`` (each attempt's workers are new children, with ``TORCHELASTIC_RESTART_COUNT``
+telling the attempt) and needs no ``sitecustomize`` or ``.pth`` file.  Not reached: ``--run-path`` and
+``--no-python`` workers (a note says so).  When the launcher returns, the ranks' shards are merged into the run,
+and the launcher's exit status is the capture's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shlex
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import tpudiag
+from tpudiag import environment, runner
+from tpudiag.capture import CaptureOptions, CaptureResult, new_run_id
+from tpudiag.clock import SystemClock
+from tpudiag.distributed import merge
+from tpudiag.distributed.session import CONFIG_ENV, ORIGINAL_PYTHON_EXEC_ENV, WorkerConfig
+from tpudiag.errors import TpudiagError
+from tpudiag.model import Run
+from tpudiag.plugins import CaptureContext, load_collectors
+from tpudiag.spool import Spool
+from tpudiag.store import Store
+
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+LAUNCHER_SCRIPTS = ("torchrun",)
+UNREACHED_FLAGS = ("--run-path", "--run_path", "--no-python", "--no_python")
+
+
+def normalize(target: runner.Target) -> runner.Target:
+    """``torchrun ...`` given as the script (the console script's name, not a file here) is the module."""
+    if target.kind == "script" and target.name in LAUNCHER_SCRIPTS and not Path(target.name).exists():
+        return runner.Target("module", "torch.distributed.run", target.args)
+    if target.kind == "script" and Path(target.name).name in LAUNCHER_SCRIPTS and Path(target.name).is_file():
+        return runner.Target("module", "torch.distributed.run", target.args)
+    return target
+
+
+def is_launcher(target: runner.Target) -> bool:
+    return target.kind == "module" and target.name in LAUNCHER_MODULES
+
+
+def write_wrapper(run_dir: Path, python: str) -> Path:
+    """The interpreter torchrun starts workers with: tpudiag's worker module on the same (or the user's) Python."""
+    path = run_dir / "bin" / "python-worker"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -u -m tpudiag.distributed.worker "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+@contextlib.contextmanager
+def worker_environment(config: WorkerConfig, wrapper: Path) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in (CONFIG_ENV, ORIGINAL_PYTHON_EXEC_ENV, "PYTHON_EXEC")}
+    if saved["PYTHON_EXEC"]:
+        os.environ[ORIGINAL_PYTHON_EXEC_ENV] = saved["PYTHON_EXEC"] or ""
+    os.environ[CONFIG_ENV] = config.to_env()
+    os.environ["PYTHON_EXEC"] = str(wrapper)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureResult:
+    clock = SystemClock()
+    runner.check_target(target)
+    with runner.signals_to_main_thread():
+        store = Store(options.db)
+        collectors = load_collectors(options.collect)  # unknown names fail here, before the job starts
+        with contextlib.suppress(TpudiagError):
+            store.recover_stale_runs()
+    run_id = new_run_id(clock)
+    run_dir = store.run_dir(run_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    script = next((a for a in target.args if not a.startswith("-")), None)
+    run = Run(
+        id=run_id,
+        name=options.name or (Path(script).stem if script else "torchrun"),
+        status="running",
+        started_at=clock.wall(),
+        script=target.display,
+        argv=list(target.args),
+        cwd=os.getcwd(),
+        host=environment.host(),
+        pid=os.getpid(),
+        python_version=environment.python_version(),
+        tpudiag_version=tpudiag.__version__,
+        env=environment.env_knobs(),
+        git_commit=environment.git_commit(Path(script).resolve() if script else Path.cwd()),
+        collectors=[c.name for c in collectors],
+        artifacts_dir=str(run_dir),
+    )
+    store.put_run(run)
+    ctx = CaptureContext(run_id=run_id, run_dir=run_dir, spool=Spool(run_dir / "spool"), clock=clock)
+    if any(a.split("=", 1)[0] in UNREACHED_FLAGS for a in target.args):
+        ctx.note("--run-path / --no-python workers do not start through PYTHON_EXEC: they were not captured")
+    config = WorkerConfig(
+        run_id=run_id,
+        run_dir=str(run_dir),
+        collect=options.collect,
+        options=dict(options.collector_options),
+        flush_s=options.flush_interval_s,
+    )
+    wrapper = write_wrapper(run_dir, os.environ.get("PYTHON_EXEC") or sys.executable)
+    t0 = clock.monotonic()
+    with worker_environment(config, wrapper):
+        outcome = runner.run(target)
+    duration = clock.monotonic() - t0
+    kind, device_name = environment.device()
+    final = dataclasses.replace(
+        run,
+        status=outcome.status,
+        exit_code=outcome.exit_code,
+        duration_s=round(duration, 6),
+        torch_version=environment.torch_version(),
+        device_kind=kind,
+        device_name=device_name,
+        notes=list(ctx.notes) + ([f"launcher ended with {outcome.error}"] if outcome.error else []),
+    )
+    final = merge.store_merged(store, final, lambda w: merge.finish(store, final, run_dir, con=w))
+    return CaptureResult(run_id, outcome.exit_code, final.status, [], ctx)

@@ -1,0 +1,138 @@
+"""The ``distributed`` section of ``tpudiag report``: per-rank rows and the cross-rank findings.
+
+``None`` for a run that is not a distributed job.  Reads only the per-rank tables (``dist_*``), never the events,
+so its cost grows with ranks times collectives, not with trace size.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tpudiag.distributed import analysis
+from tpudiag.store import Store
+from tpudiag.store import distributed_queries as q
+
+RANK_KEYS = ("rank", "local_rank", "host", "pid", "status", "exit_code", "error", "device", "backend")
+MAX_RANKS_LISTED = 16
+
+
+def build_section(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
+    with store.reader() as con:
+        if not q.has_tables(con):
+            return None
+        infos = q.ranks(con, run["id"])
+        if not infos:
+            return None
+        last = max(int(r["restart"]) for r in infos)
+        # Collectives are aggregated in SQL (ranks x collectives rows never come to Python); the pure functions
+        # of ``analysis`` get the few rows they decide on.
+        counts = q.collective_counts(con, run["id"], last)
+        ranks = [int(r["rank"]) for r in infos if int(r["restart"]) == last]
+        mismatch = analysis.collective_mismatch(q.first_mismatch(con, run["id"], last), all_ranks=ranks)
+        paired = analysis.paired_count((c["collectives"] for c in counts.values()), mismatch) if counts else 0
+        stragglers = analysis.stragglers_from(
+            q.lateness(con, run["id"], last, paired), paired, q.waits_before(con, run["id"], last, paired)
+        )
+        fingerprints = q.fingerprints(con, run["id"], last)
+        steps = q.step_durations(con, run["id"], last)
+        compiles = q.compile_events(con, run["id"], last)
+    return assemble(infos, counts, mismatch, stragglers, fingerprints, steps, compiles)
+
+
+def assemble(
+    infos: list[dict[str, Any]],
+    counts: dict[int, dict[str, Any]],
+    mismatch: dict[str, Any] | None,
+    stragglers: list[dict[str, Any]],
+    fingerprints: list[Any],
+    steps: dict[int, list[int]],
+    compiles: list[Any],
+) -> dict[str, Any]:
+    """The section from per-rank records and the collective findings (pure: the store reads are in
+    ``build_section``)."""
+    last = max(int(r["restart"]) for r in infos)
+    current = [r for r in infos if int(r["restart"]) == last]
+    spread = analysis.step_spread(steps)
+    ranks = []
+    for r in current:
+        row = {k: r.get(k) for k in RANK_KEYS}
+        row["attempt"] = last
+        row["numerics_failures"] = r.get("numerics_failures")
+        row.update(spread.get(int(r["rank"]), {"steps": 0}))
+        row.update(counts.get(int(r["rank"]), {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0}))
+        ranks.append(row)
+    attempts = []
+    for attempt in sorted({int(r["restart"]) for r in infos}):
+        rows = [r for r in infos if int(r["restart"]) == attempt]
+        failure = analysis.first_failure(rows)
+        attempts.append(
+            {
+                "attempt": attempt,
+                "ranks": len(rows),
+                "status": "failed" if failure else ("ok" if all(r["status"] == "ok" for r in rows) else "interrupted"),
+                "first_failure": failure,
+            }
+        )
+    world = max((int(r["world_size"] or 0) for r in current), default=0) or len(current)
+    backends = sorted({r["backend"] for r in current if r.get("backend")})
+    return {
+        "world_size": world,
+        "backend": backends[0] if len(backends) == 1 else (backends or None),
+        "hosts": sorted({r["host"] for r in current if r.get("host")}),
+        "attempts": attempts,
+        "first_failure": attempts[-1]["first_failure"],
+        "ranks": ranks,
+        "stragglers": stragglers,
+        "collective_mismatch": mismatch,
+        "rank_divergence": analysis.rank_divergence(fingerprints),
+        "compile_divergence": analysis.compile_divergence(compiles),
+    }
+
+
+def render_section(section: dict[str, Any]) -> list[str]:
+    backend = section["backend"] if isinstance(section["backend"], str) else json.dumps(section["backend"])
+    lines = [
+        f"distributed: {section['world_size']} ranks on {len(section['hosts'])} host(s), backend {backend}, "
+        f"{len(section['attempts'])} attempt(s)"
+    ]
+    for a in section["attempts"]:
+        f = a["first_failure"]
+        if f:
+            code = f" (exit {f['exit_code']})" if f.get("exit_code") is not None else ""
+            lines.append(f"  attempt {a['attempt']}: rank {f['rank']} {f['status']} first{code}: {f['error'] or '-'}")
+    header = "  rank  status       steps  step median  collectives  in collectives  host"
+    lines.append(header)
+    for r in section["ranks"][:MAX_RANKS_LISTED]:
+        median = f"{r['step_median_s']:.4f} s" if r.get("step_median_s") is not None else "-"
+        lines.append(
+            f"  {r['rank']:>4}  {r['status'] or '-':<11}  {r['steps']:>5}  {median:>11}  {r['collectives']:>11}  "
+            f"{r['collective_s']:>12.4f} s  {r['host'] or '-'}"
+        )
+    if len(section["ranks"]) > MAX_RANKS_LISTED:
+        lines.append(f"  ... {len(section['ranks']) - MAX_RANKS_LISTED} more ranks (report --json lists all)")
+    if section["stragglers"]:
+        lines.append("  stragglers (arrive last at collectives; the others wait for them):")
+        for s in section["stragglers"][:5]:
+            lines.append(
+                f"    rank {s['rank']}: {s['kind']}, last at {s['late_at']}/{s['collectives']} collectives, "
+                f"others waited {s['others_waited_s']:.4f} s for it (it waited {s['wait_s']:.4f} s)"
+            )
+    else:
+        lines.append("  stragglers: none (no rank arrived clearly last at collectives)")
+    m = section["collective_mismatch"]
+    lines.append(
+        f"  collective mismatch at collective #{m['seq']}: {m['text']}"
+        if m
+        else "  collectives: every rank ran the same sequence"
+    )
+    d = section["rank_divergence"]
+    lines.append(f"  numerics across ranks: {d['text']}" if d else "  numerics across ranks: fingerprints agree")
+    c = section["compile_divergence"]
+    if c:
+        for r in c["ranks"][:5]:
+            lines.append(
+                f"  compile divergence: rank {r['rank']} compiled {r['compile']}, recompiled {r['recompile']}, "
+                f"broke {r['graph_break']} graph(s) vs {c['reference']} on ranks {c['reference_ranks']}"
+            )
+    return lines

@@ -1,0 +1,317 @@
+"""SQL of distributed runs: the ``dist_*`` tables, loading rank shards into a run, and the per-rank reads.
+
+The ``dist_*`` tables are created when the first distributed run is stored (``CREATE TABLE IF NOT EXISTS``), so
+stores without one keep their schema.  Shards are read with one hive-partitioned glob per table; ``run_id`` and
+``rank`` come from the folder names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tpudiag.distributed.analysis import Lateness
+from tpudiag.distributed.records import Collective, Fingerprint, RankInfo
+from tpudiag.distributed.shards import table_glob
+from tpudiag.model import CompileEvent, Step, column_kinds
+
+if TYPE_CHECKING:
+    import duckdb
+    import pyarrow as pa
+
+_DUCK = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "str": "VARCHAR"}
+# Per-rank copies of model tables, every attempt kept: (store table, record type it mirrors).
+RANK_TABLES: dict[str, type[Any]] = {"dist_steps": Step, "dist_compile_events": CompileEvent}
+OWN_TABLES: dict[str, type[Any]] = {c.TABLE: c for c in (RankInfo, Fingerprint, Collective)}
+ALL_TABLES = (*OWN_TABLES, *RANK_TABLES)
+# Rank data loaded into the run's main tables gets ids offset by rank, so ids stay unique within the run.
+ID_SHIFT = 36
+_HIVE = "hive_partitioning = true, hive_types = {'run_id': VARCHAR, 'rank': BIGINT}, union_by_name = true"
+
+
+def _columns(cls: type[Any], with_attempt: bool) -> list[tuple[str, str]]:
+    cols = list(column_kinds(cls))
+    if with_attempt and "restart" not in {n for n, _ in cols}:
+        cols.append(("restart", "int"))
+    return cols
+
+
+def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
+    for name, cls in {**OWN_TABLES, **RANK_TABLES}.items():
+        cols = ", ".join(f'"{n}" {_DUCK[k]}' for n, k in _columns(cls, with_attempt=True))
+        con.execute(f"CREATE TABLE IF NOT EXISTS {name} ({cols})")
+
+
+def has_tables(con: duckdb.DuckDBPyConnection) -> bool:
+    rows = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'dist_ranks'").fetchall()
+    return bool(rows and rows[0][0])
+
+
+def shard_files(root: Path, table: str) -> list[str]:
+    folder = root / table
+    return sorted(str(p) for p in folder.glob("*/*/*.parquet")) if folder.is_dir() else []
+
+
+def _source(root: Path, table: str) -> str:
+    return f"read_parquet('{table_glob(root, table)}', {_HIVE})"
+
+
+def clear_run(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+    for table in ALL_TABLES:
+        con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
+
+
+def load_rank_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str) -> None:
+    """Every attempt of every rank into the ``dist_*`` tables (collectives are derived separately)."""
+    pairs = {RankInfo.TABLE: RankInfo.TABLE, Fingerprint.TABLE: Fingerprint.TABLE}
+    pairs.update({"dist_steps": Step.TABLE, "dist_compile_events": CompileEvent.TABLE})
+    for store_table, shard_table in pairs.items():
+        if not shard_files(root, shard_table):
+            continue
+        con.execute(
+            f"INSERT INTO {store_table} BY NAME SELECT * REPLACE (? AS run_id) FROM {_source(root, shard_table)}",
+            [run_id],
+        )
+
+
+def load_main_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, attempt: int, ops_rank: int) -> None:
+    """One attempt's rank data into the run's own tables (what the single-run report, dashboard and exports read).
+
+    Trace events, steps and compile events of every rank (ids offset by rank); ops and op diffs of ``ops_rank``
+    only, so the numerics section reads as one rank's.
+    """
+    shift = f"((rank + 1) << {ID_SHIFT})"
+    plans = {
+        "trace_events": f"event_id + {shift} AS event_id, parent_id + {shift} AS parent_id, "
+        f"launch_id + {shift} AS launch_id",
+        "steps": None,
+        "compile_events": f"seq + {shift} AS seq",
+        "ops": None,
+        "op_diffs": None,
+    }
+    for table, replace in plans.items():
+        if not shard_files(root, table):
+            continue
+        drop = "restart, rank" if table in ("ops", "op_diffs") else "restart"  # these two have no rank column
+        select = f"* EXCLUDE ({drop}) REPLACE (? AS run_id{', ' + replace if replace else ''})"
+        where = "restart = ?" + (" AND rank = ?" if table in ("ops", "op_diffs") else "")
+        params: list[Any] = [run_id, attempt] + ([ops_rank] if table in ("ops", "op_diffs") else [])
+        con.execute(f"INSERT INTO {table} BY NAME SELECT {select} FROM {_source(root, table)} WHERE {where}", params)
+
+
+SizeKey = tuple[str | None, str | None]
+
+
+def load_collectives(con: duckdb.DuckDBPyConnection, root: Path, run_id: str) -> list[SizeKey]:
+    """Every rank's communication ranges (gloo/NCCL annotations) into ``dist_collectives``, numbered per rank in
+    the order it entered them; returns the distinct (shapes, dtypes) pairs, whose byte counts ``set_bytes`` adds."""
+    if not shard_files(root, "trace_events"):
+        return []
+    con.execute(
+        f"""
+        INSERT INTO dist_collectives BY NAME
+        SELECT ? AS run_id, rank, restart, split_part(name, ':', 2) AS op, shapes, dtypes, start_ns, dur_ns,
+               row_number() OVER (PARTITION BY rank, restart ORDER BY start_ns, event_id) - 1 AS seq
+        FROM {_source(root, "trace_events")}
+        WHERE category = 'user_annotation' AND (starts_with(name, 'gloo:') OR starts_with(name, 'nccl:'))
+        """,
+        [run_id],
+    )
+    rows = con.execute("SELECT DISTINCT shapes, dtypes FROM dist_collectives WHERE run_id = ?", [run_id]).fetchall()
+    return [(a, b) for a, b in rows]
+
+
+def set_bytes(
+    con: duckdb.DuckDBPyConnection, run_id: str, sizes: dict[tuple[str | None, str | None], int | None]
+) -> None:
+    import pyarrow as pa
+
+    known = [(k, v) for k, v in sizes.items() if v is not None]
+    if not known:
+        return
+    table = pa.table(
+        {"shapes": [k[0] for k, _ in known], "dtypes": [k[1] for k, _ in known], "n": [v for _, v in known]}
+    )
+    con.register("tpudiag_dist_sizes", table)
+    try:
+        con.execute(
+            "UPDATE dist_collectives AS c SET bytes = s.n FROM tpudiag_dist_sizes AS s "
+            "WHERE c.run_id = ? AND c.shapes IS NOT DISTINCT FROM s.shapes AND c.dtypes IS NOT DISTINCT FROM s.dtypes",
+            [run_id],
+        )
+    finally:
+        con.unregister("tpudiag_dist_sizes")
+
+
+def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> None:
+    if data.num_rows == 0:
+        return
+    con.register("tpudiag_dist_rows", data)
+    try:
+        con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM tpudiag_dist_rows")
+    finally:
+        con.unregister("tpudiag_dist_rows")
+
+
+def numerics_counts(con: duckdb.DuckDBPyConnection, root: Path) -> list[tuple[int, int, int, int]]:
+    """(rank, attempt, outputs compared, failing outputs) from every rank's op diffs."""
+    if not shard_files(root, "op_diffs"):
+        return []
+    rows = con.execute(
+        f"SELECT rank, restart, count(*) FILTER (WHERE verdict != 'skip'), count(*) FILTER (WHERE verdict = 'fail') "
+        f"FROM {_source(root, 'op_diffs')} GROUP BY rank, restart"
+    ).fetchall()
+    return [(int(a), int(b), int(c), int(d)) for a, b, c, d in rows]
+
+
+def set_numerics_counts(con: duckdb.DuckDBPyConnection, run_id: str, counts: list[tuple[int, int, int, int]]) -> None:
+    for rank, attempt, checked, failures in counts:
+        con.execute(
+            "UPDATE dist_ranks SET numerics_checked = ?, numerics_failures = ? "
+            "WHERE run_id = ? AND rank = ? AND restart = ?",
+            [checked, failures, run_id, rank, attempt],
+        )
+
+
+def present_ranks(con: duckdb.DuckDBPyConnection, root: Path) -> set[tuple[int, int]]:
+    """(rank, attempt) of every rank that wrote anything at all."""
+    found: set[tuple[int, int]] = set()
+    for table in ("trace_events", "steps", "compile_events", "ops", Fingerprint.TABLE):
+        if shard_files(root, table):
+            rows = con.execute(f"SELECT DISTINCT rank, restart FROM {_source(root, table)}").fetchall()
+            found |= {(int(r), int(a)) for r, a in rows}
+    return found
+
+
+# -- reads (report, dashboard) ------------------------------------------------------------------------------------
+def _dicts(cur: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    cols = [d[0] for d in cur.description or []]
+    return [dict(zip(cols, row, strict=True)) for row in cur.fetchall()]
+
+
+def ranks(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
+    return _dicts(con.execute("SELECT * FROM dist_ranks WHERE run_id = ? ORDER BY restart, rank", [run_id]))
+
+
+def collectives(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[Collective]:
+    cur = con.execute(
+        "SELECT * FROM dist_collectives WHERE run_id = ? AND restart = ? ORDER BY rank, seq", [run_id, attempt]
+    )
+    names = [d[0] for d in cur.description or []]
+    return [Collective(**dict(zip(names, row, strict=True))) for row in cur.fetchall()]
+
+
+def collective_counts(con: duckdb.DuckDBPyConnection, run_id: str, restart: int) -> dict[int, dict[str, Any]]:
+    """Per rank: collectives run, seconds inside them, bytes moved."""
+    rows = con.execute(
+        "SELECT rank, count(*), coalesce(sum(dur_ns), 0), coalesce(sum(bytes), 0) FROM dist_collectives "
+        "WHERE run_id = ? AND restart = ? GROUP BY rank",
+        [run_id, restart],
+    ).fetchall()
+    return {
+        int(r): {"collectives": int(n), "collective_s": round(float(ns) / 1e9, 6), "collective_bytes": int(b)}
+        for r, n, ns, b in rows
+    }
+
+
+def first_mismatch(con: duckdb.DuckDBPyConnection, run_id: str, restart: int) -> list[Collective]:
+    """The collectives at the first seq where ranks differ (op, shapes, dtypes) or one is missing; [] if none."""
+    rows = con.execute(
+        """
+        WITH c AS (SELECT * FROM dist_collectives WHERE run_id = ? AND restart = ?),
+        s AS (
+            SELECT seq, count(DISTINCT (op, coalesce(shapes, ''), coalesce(dtypes, ''))) AS sigs, count(*) AS n
+            FROM c GROUP BY seq
+        )
+        SELECT min(seq) FROM s WHERE sigs > 1 OR n < (SELECT count(DISTINCT rank) FROM c)
+        """,
+        [run_id, restart],
+    ).fetchall()
+    if not rows or rows[0][0] is None:
+        return []
+    cur = con.execute(
+        "SELECT * FROM dist_collectives WHERE run_id = ? AND restart = ? AND seq = ? ORDER BY rank",
+        [run_id, restart, int(rows[0][0])],
+    )
+    names = [d[0] for d in cur.description or []]
+    return [Collective(**dict(zip(names, row, strict=True))) for row in cur.fetchall()]
+
+
+def lateness(con: duckdb.DuckDBPyConnection, run_id: str, restart: int, count: int) -> list[Lateness]:
+    """``analysis.lateness`` in SQL: per collective, the rank that waited least and the others' median wait."""
+    rows = con.execute(
+        """
+        WITH o AS (
+            SELECT seq, rank, coalesce(dur_ns, 0)::DOUBLE AS d,
+                   row_number() OVER (PARTITION BY seq ORDER BY coalesce(dur_ns, 0), rank) AS pos
+            FROM dist_collectives WHERE run_id = ? AND restart = ? AND seq < ?
+        )
+        SELECT seq, min(rank) FILTER (WHERE pos = 1), min(d) FILTER (WHERE pos = 1), median(d) FILTER (WHERE pos > 1)
+        FROM o GROUP BY seq HAVING count(*) > 1 ORDER BY seq
+        """,
+        [run_id, restart, count],
+    ).fetchall()
+    return [Lateness(int(a), int(b), float(c), float(d)) for a, b, c, d in rows]
+
+
+def waits_before(con: duckdb.DuckDBPyConnection, run_id: str, restart: int, count: int) -> dict[int, float]:
+    rows = con.execute(
+        "SELECT rank, coalesce(sum(dur_ns), 0) FROM dist_collectives WHERE run_id = ? AND restart = ? AND seq < ? "
+        "GROUP BY rank",
+        [run_id, restart, count],
+    ).fetchall()
+    return {int(r): float(ns) for r, ns in rows}
+
+
+def fingerprints(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[Fingerprint]:
+    cur = con.execute(
+        "SELECT * FROM dist_fingerprints WHERE run_id = ? AND restart = ? ORDER BY step, kind, rank", [run_id, attempt]
+    )
+    return [Fingerprint(**row) for row in _dicts(cur)]
+
+
+def step_durations(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> dict[int, list[int]]:
+    rows = con.execute(
+        "SELECT rank, list(dur_ns ORDER BY step) FROM dist_steps WHERE run_id = ? AND restart = ? GROUP BY rank",
+        [run_id, attempt],
+    ).fetchall()
+    return {int(r): [int(d) for d in durs] for r, durs in rows}
+
+
+def compile_events(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[CompileEvent]:
+    cur = con.execute(
+        "SELECT * EXCLUDE (restart) FROM dist_compile_events WHERE run_id = ? AND restart = ? ORDER BY rank, seq",
+        [run_id, attempt],
+    )
+    return [CompileEvent(**row) for row in _dicts(cur)]
+
+
+# -- export -------------------------------------------------------------------------------------------------------
+# Tables written per rank by ``tpudiag export --format parquet`` for a distributed run (those with a rank column).
+EXPORT_TABLES = (*ALL_TABLES, "trace_events", "steps", "compile_events")
+
+
+def export_partitions(con: duckdb.DuckDBPyConnection, run_id: str, out_dir: Path) -> list[Path]:
+    """One run's per-rank tables as ``<out>/<table>/run_id=<id>/rank=<r>/*.parquet`` (the shards' layout)."""
+    if not has_tables(con) or not con.execute("SELECT 1 FROM dist_ranks WHERE run_id = ? LIMIT 1", [run_id]).fetchall():
+        return []
+    written: list[Path] = []
+    for table in EXPORT_TABLES:
+        if not con.execute(f"SELECT 1 FROM {table} WHERE run_id = ? LIMIT 1", [run_id]).fetchall():
+            continue
+        target = out_dir / table
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # COPY ... PARTITION_BY writes the hive folders and leaves run_id / rank out of the files, as the shards do.
+        con.execute(
+            f"COPY (SELECT * FROM {table} WHERE run_id = ?) TO '{target}' "
+            "(FORMAT parquet, COMPRESSION zstd, PARTITION_BY (run_id, rank), OVERWRITE_OR_IGNORE)",
+            [run_id],
+        )
+        written += sorted(target.glob("*/*/*.parquet"))
+    return written
+
+
+def mark_parent_rows(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+    """The rows of a process that spawned the ranks (not a rank itself) get rank -1."""
+    for table in ("trace_events", "steps", "compile_events"):
+        con.execute(f"UPDATE {table} SET rank = -1 WHERE run_id = ?", [run_id])
