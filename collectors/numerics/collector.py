@@ -195,8 +195,6 @@ class NumericsCollector:
             self._attach()
             self._progress = threading.Thread(target=self._progress_loop, name="tpudiag-numerics", daemon=True)
             self._progress.start()
-            self._progress = threading.Thread(target=self._progress_loop, name="tpudiag-numerics", daemon=True)
-            self._progress.start()
 
     def flush(self) -> None:
         if self._ctx is None or self._recorder is None:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -83,30 +81,3 @@ def safe_name(text: str) -> str:
     """A file-name-safe version of a run or host name."""
     out = "".join(c if c.isalnum() or c in "-_." else "_" for c in text).strip(".")
     return out or "run"
-
-
-class Progress:
-    """A live status line on stderr (rewritten in place on a terminal, at most a few times a second)."""
-
-    def __init__(self, label: str, total: int, stream: IO[str] | None = None) -> None:
-        self.label = label
-        self.total = total
-        self.done = 0
-        self._stream = stream or sys.stderr
-        self._tty = self._stream.isatty()
-        self._last = 0.0
-        self._t0 = time.monotonic()
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self._tty and now - self._last > 0.2:
-            self._last = now
-            self._stream.write(f"\r{self.label}: {self.done:,}/{self.total:,} events")
-            self._stream.flush()
-
-    def finish(self) -> None:
-        elapsed = time.monotonic() - self._t0
-        end = "\r" if self._tty else ""
-        self._stream.write(f"{end}{self.label}: {self.done:,} events in {elapsed:.2f} s\n")
-        self._stream.flush()
