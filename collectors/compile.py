@@ -100,6 +100,7 @@ def _plain(value: Any) -> Any:
 
 class CompileCollector:
     name = "compile"
+    start_order = 20
 
     def __init__(self) -> None:
         self._ctx: CaptureContext | None = None

@@ -45,6 +45,7 @@ def _quiet_stderr(fn: Any) -> Any:
 
 class TraceCollector:
     name = "trace"
+    start_order = 10  # first: its profiler session spans the other collectors' start and stop
 
     def __init__(self) -> None:
         self._ctx: CaptureContext | None = None

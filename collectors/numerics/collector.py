@@ -107,6 +107,7 @@ class _BackwardModules:
 
 class NumericsCollector:
     name = "numerics"
+    start_order = 30  # last: its dispatch mode is innermost and leaves first
 
     def __init__(self) -> None:
         self._ctx: CaptureContext | None = None

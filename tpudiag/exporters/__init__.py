@@ -1,8 +1,8 @@
 """Exporters: a stored run written in a format other tools open (TensorBoard/XProf, Perfetto, Parquet).
 
 An exporter is one small object (``name``, ``description``, ``export(store, run, out_dir, options)``)
-that returns the files it wrote.  Built-ins are listed in ``BUILTIN_EXPORTERS`` as "module:Class" and loaded
-lazily; third-party exporters register the same way through the ``tpudiag.exporters`` entry-point group.
+that returns the files it wrote.  Built-ins and third-party exporters alike register as "module:Class" in the
+``tpudiag.exporters`` entry-point group (tpudiag's own in its ``pyproject.toml``) and are loaded lazily.
 
 Files are written under a temporary name and renamed into place, so an interrupted export leaves whole files
 or none, never a truncated one.
@@ -15,19 +15,14 @@ import importlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from tpudiag.errors import UsageError
+from tpudiag.plugins import entry_point_specs
 from tpudiag.store import Store
 
 ENTRY_POINT_GROUP = "tpudiag.exporters"
-BUILTIN_EXPORTERS: dict[str, str] = {
-    "tensorboard": "tpudiag.exporters.xplane_export:TensorBoardExporter",
-    "perfetto": "tpudiag.exporters.perfetto_export:PerfettoExporter",
-    "parquet": "tpudiag.exporters.parquet_export:ParquetExporter",
-}
 
 
 @dataclass(frozen=True)
@@ -45,11 +40,8 @@ class Exporter(Protocol):
 
 
 def exporter_specs() -> dict[str, str]:
-    """Exporter name -> "module:Class": built-ins, then entry points (which cannot replace a built-in)."""
-    specs = dict(BUILTIN_EXPORTERS)
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        specs.setdefault(ep.name, ep.value)
-    return specs
+    """Exporter name -> "module:Class": tpudiag's own, then other distributions' (which cannot replace one)."""
+    return entry_point_specs(ENTRY_POINT_GROUP)
 
 
 def load_exporter(name: str) -> Exporter:
