@@ -9,8 +9,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torch")
-
 from tests.conftest import run_tpudiag
 from tpudiag.store.database import Store
 

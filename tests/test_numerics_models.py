@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers  # noqa: F401  (installed with dev: a broken install fails here)
 
 from tests.conftest import run_tpudiag
-
-pytest.importorskip("transformers")
 
 PRELUDE = """
 import os, sys

@@ -12,8 +12,7 @@ import warnings
 from typing import Any
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 SAMPLES_PER_OP = int(os.environ.get("TPUDIAG_OPINFO_SAMPLES", "3"))
 
