@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tests.conftest import REPO, run_tpudiag
+from tpudiag import report
 from tpudiag.cli import EXTRA_COMMANDS, build_parser
 from tpudiag.plugins import available_factories
 from tpudiag.report import SECTIONS
@@ -31,16 +35,64 @@ def test_every_subcommand_is_documented_with_help() -> None:
     assert isinstance(sub.choices, dict)
     assert {"capture", "runs", "report"} <= set(sub.choices)
     assert len(sub.choices) == 3 + len(EXTRA_COMMANDS)
+    top = run_tpudiag("--help")
+    assert top.returncode == 0
+    top_help = " ".join(top.stdout.split())
     for name, sp in sub.choices.items():
         assert f"tpudiag {name}" in README, f"`tpudiag {name}` is not in README.md"
-        assert sp.format_help().strip()
+        # Its help line is what `tpudiag --help` shows for it, and every option it takes is in the README.
+        helps = {a.dest: a.help for a in sub._choices_actions}
+        assert helps.get(name) and helps[name] in " ".join(top_help.split()), name
+        for action in sp._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and option != "--help":
+                    assert f"{option}" in README, f"`tpudiag {name} {option}` is not in README.md"
+                    assert action.help, f"`tpudiag {name} {option}` has no help text"
 
 
-def test_report_sections_are_loadable() -> None:
+def test_every_report_section_is_built_into_the_report_and_rendered(tmp_path: Path) -> None:
+    from tests.factories import make_run, store_with
+    from tpudiag.model import CompileEvent, OpDiff, OpRecord
+    from tpudiag.store import Store, queries
+
+    store = Store(tmp_path / "store.duckdb")
+    records: dict[str, Callable[[str], dict[type[Any], list[Any]]]] = {
+        "numerics": lambda rid: {
+            OpRecord: [OpRecord(run_id=rid, seq=1, op="aten::tanh", checked=True, phase="forward", module="m")],
+            OpDiff: [
+                OpDiff(
+                    run_id=rid,
+                    seq=1,
+                    output_index=0,
+                    verdict="fail",
+                    dtype="float32",
+                    scaled_error=9e4,
+                    threshold=32.0,
+                    numel=4,
+                )
+            ],
+        },
+        "compile": lambda rid: {
+            CompileEvent: [CompileEvent(rid, 0, "compile", function="f", file="a.py", line=3, duration_s=0.5)]
+        },
+    }
+    assert set(SECTIONS) == set(records), "a new report section needs a case here"
+    bare = make_run(collectors=[])
+    store_with(store, bare, {})
+    empty = report.build(store, queries.resolve_run(store, bare.id))
     for key, spec in SECTIONS.items():
         module_name, build, render = spec.split(":")
         module = importlib.import_module(module_name)
-        assert callable(getattr(module, build)) and callable(getattr(module, render)), key
+        assert empty[key] is None and getattr(module, build)(store, queries.resolve_run(store, bare.id)) is None
+        run = make_run(collectors=[key])
+        store_with(store, run, records[key](run.id))
+        stored = queries.resolve_run(store, run.id)
+        section = getattr(module, build)(store, stored)
+        data = report.build(store, stored)
+        assert section is not None and data[key] == section, key
+        lines = getattr(module, render)(section)
+        assert lines and all(isinstance(line, str) for line in lines), key
+        assert json.loads(json.dumps(data, default=str))[key] is not None
 
 
 def test_readme_opens_with_the_demo_and_the_test_command_that_ci_runs() -> None:
