@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-TESTS = '''
+TESTS = """
 import pytest
 
 def test_no_fixtures():
@@ -31,7 +31,7 @@ def test_expected_failure():
 
 def test_plain():
     assert True
-'''
+"""
 
 
 def _run(tmp_path: Path, ci: str | None) -> str:

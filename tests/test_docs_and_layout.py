@@ -127,3 +127,69 @@ def test_console_script_and_module_entry_agree() -> None:
     exe = Path(sys.executable).with_name("tpudiag")
     via_script = subprocess.run([str(exe), "--version"], capture_output=True, text=True)
     assert via_script.stdout == via_module.stdout
+
+
+def _table(header: str) -> list[list[str]]:
+    """The rows of the README table whose header line starts with ``header`` (cells stripped)."""
+    lines = README[README.index(header) :].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_readme_collector_table_is_the_collectors_own_descriptions() -> None:
+    rows = _table("| collector | what it records |")
+    assert all(len(r) == 2 for r in rows), rows  # no other table's row pasted in
+    documented = {r[0].strip("`"): r[1] for r in rows}
+    builtins = {
+        ep.name: ep.value
+        for ep in importlib.metadata.distribution("tpudiag").entry_points
+        if ep.group == "tpudiag.collectors"
+    }
+    described = {}
+    for name, spec in builtins.items():
+        module_name, _, attr = spec.partition(":")
+        described[name] = getattr(importlib.import_module(module_name), attr).description
+    assert documented == described
+
+
+# A figure in the README: optional sign, digits (thousands commas, decimals), optional k/M multiplier.
+_FIGURE = re.compile(r"(?<![\w.])([−-]?)(\d[\d,]*(?:\.\d+)?)(?:\s?(k|M)\b)?(?![\d.,])")
+
+
+def _numbers(value: object) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in _numbers(v)]
+    return []
+
+
+def _shown_in(figure: tuple[str, str, str | None], measured: list[float]) -> bool:
+    """Whether a README figure is one of the measured values as shown: itself, a percentage, or in thousands
+    (ms <-> s), rounded to the figure's own decimals."""
+    sign, digits, multiplier = figure
+    shown = float(digits.replace(",", "")) * (-1 if sign else 1)
+    decimals = len(digits.split(".")[1]) if "." in digits else 0
+    scale = {"k": 1e3, "M": 1e6}.get(multiplier or "", 1.0)
+    return any(
+        round(candidate / scale, decimals) == shown for v in measured for candidate in (v, 100 * v, v / 1000, v * 1000)
+    )
+
+
+def test_readme_benchmark_figures_are_the_latest_results() -> None:
+    rows = _table("| benchmark | what is compared | result | target |")
+    assert rows and all(len(r) == 4 for r in rows), rows
+    for name, _, result, _ in rows:
+        path = REPO / "bench" / "results" / f"{name.strip('`')}.json"
+        assert path.is_file(), f"README's benchmark row {name} has no {path.name} in bench/results"
+        measured = _numbers(json.loads(path.read_text()))
+        stale = [m.group(0) for m in _FIGURE.finditer(result) if not _shown_in(m.groups(), measured)]
+        assert not stale, f"{name}: README figures {stale} are not in {path.name}"

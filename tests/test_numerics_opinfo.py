@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 import torch
 
-
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES_PER_OP = int(os.environ.get("TPUDIAG_OPINFO_SAMPLES", "3"))
 
