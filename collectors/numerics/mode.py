@@ -95,7 +95,7 @@ def _flops(
         if signature is not None:
             scalars = tuple(a for a in args if isinstance(a, (int, float, bool, list, tuple)) and not _has_tensor(a))
             outs = tuple(tuple(t.shape) for t in outputs if isinstance(t, torch.Tensor))
-            key = (signature, scalars, outs)
+            key = (signature, repr(scalars), outs)  # repr: conv strides/paddings come as (unhashable) lists
             hit = _FLOPS.get(key)
             if hit is not None:
                 return hit
