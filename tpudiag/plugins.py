@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from tpudiag.clock import Clock, SystemClock
+from tpudiag.entry_points import entry_point_specs
 from tpudiag.errors import UsageError
 from tpudiag.spool import Spool
 
 ENTRY_POINT_GROUP = "tpudiag.collectors"
-DISTRIBUTION = "tpudiag"
 DEFAULT_START_ORDER = 100  # after the built-ins (10-30)
 
 
@@ -72,25 +72,6 @@ def _load(spec: str) -> Callable[[], Collector]:
     module = importlib.import_module(module_name)
     factory: Callable[[], Collector] = getattr(module, attr)
     return factory
-
-
-def entry_point_specs(group: str) -> dict[str, str]:
-    """Name -> "module:attr" of every entry point in ``group``: tpudiag's own first, then other distributions',
-    which cannot replace a name already taken."""
-    own: dict[str, str] = {}
-    others: dict[str, str] = {}
-    for ep in importlib.metadata.entry_points(group=group):
-        dist = getattr(ep, "dist", None)
-        target = own if dist is not None and dist.name == DISTRIBUTION else others
-        target.setdefault(ep.name, ep.value)
-    if not own:
-        raise UsageError(
-            f"tpudiag's own {group} entry points are missing: install tpudiag (pip install -e .) so that its "
-            "built-ins register"
-        )
-    for name, spec in others.items():
-        own.setdefault(name, spec)
-    return own
 
 
 def available_factories() -> dict[str, str]:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from tpudiag.entry_points import entry_point_specs
 from tpudiag.errors import UsageError
-from tpudiag.plugins import entry_point_specs
 from tpudiag.store import Store
 
 ENTRY_POINT_GROUP = "tpudiag.exporters"
