@@ -18,6 +18,7 @@ threads) beside a small run, so every query must filter by run.  Then measures, 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,9 @@ STEPS = 1000
 PART_ROWS = 1_000_000
 QUERY_TARGET_MS = 200.0
 PAGE_TARGET_S = 3.0
-CHROMIUM = Path("/usr/bin/chromium")
+# Found as .ci/run finds it (`command -v chromium`), wherever the system put it.
+_found = shutil.which("chromium")
+CHROMIUM = Path(_found) if _found else None
 
 
 def _strings(values: list[str], idx: np.ndarray) -> pa.Array:
@@ -159,7 +162,7 @@ def apptest_page_s(db: Path, run_id: str) -> dict[str, float]:
 def browser_page_s(db: Path, run_id: str, slowest: str) -> float | None:
     """Seconds from clicking "Slow ops" (server started, Runs page open) until the top-ops chart names the
     slowest op, in headless Chromium; the slow-ops queries are not cached yet at that click."""
-    if not CHROMIUM.exists():
+    if CHROMIUM is None:
         return None
     from playwright.sync_api import sync_playwright
 

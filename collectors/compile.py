@@ -106,6 +106,10 @@ def _plain(value: Any) -> Any:
 
 class CompileCollector:
     name = "compile"
+    description = (
+        "torch.compile / TorchTPU compilations, cache hits and misses, recompiles with their reasons, graph breaks"
+    )
+    start_order = 20
 
     def __init__(self) -> None:
         self._ctx: CaptureContext | None = None

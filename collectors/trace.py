@@ -45,6 +45,11 @@ def _quiet_stderr(fn: Any) -> Any:
 
 class TraceCollector:
     name = "trace"
+    description = (
+        "`torch.profiler` (Kineto) around the whole script: CPU ops with shapes (and CUDA kernels on a GPU), "
+        "module paths, steps, self times"
+    )
+    start_order = 10  # first: its profiler session spans the other collectors' start and stop
 
     def __init__(self) -> None:
         self._ctx: CaptureContext | None = None

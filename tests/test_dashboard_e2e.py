@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +26,9 @@ from tests.test_dashboard_fixtures import HOSTILE, trace_run, with_numerics
 from tpudiag.store import Store, queries
 from tpudiag.store import dashboard_queries as q
 
-CHROMIUM = Path("/usr/bin/chromium")
+# Found as .ci/run finds it (`command -v chromium`), wherever the system put it.
+_found = shutil.which("chromium")
+CHROMIUM = Path(_found) if _found else None
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--no-first-run",
@@ -100,8 +103,8 @@ def serving(db: Path) -> Iterator[str]:
 
 
 def browser() -> Any:
-    if not CHROMIUM.exists():
-        pytest.skip("Debian's /usr/bin/chromium is not installed (apt-get install chromium)")
+    if CHROMIUM is None:
+        pytest.skip("no chromium on PATH (apt-get install chromium; .ci/run installs it)")
     from playwright.sync_api import sync_playwright
 
     return sync_playwright()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gzip
 import json
 import socket
@@ -128,9 +129,13 @@ def test_tensorboard_serves_framework_op_stats_equal_to_report(exported: dict[st
         assert row["total_time"] == pytest.approx(op["total_us"], rel=0.01, abs=0.01), name
 
     trace = _get(server, "/data/plugin/profile/data", run=run_id, tag="trace_viewer@", host=host)
-    complete = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    op_names = {e["name"] for e in complete}
-    assert {"aten::addmm", "aten::relu"} & op_names or any(n.endswith(".addmm") for n in op_names)
+    # Trace Viewer: every op event of the report, under its own name, as many times as the report counts it.
+    shown = collections.Counter(e["name"] for e in trace["traceEvents"] if e.get("ph") == "X")
+    calls: collections.Counter[str] = collections.Counter()
+    for op in want:
+        calls[op["name"]] += op["calls"]
+    assert {"aten::addmm", "aten::relu"} <= set(calls)
+    assert {name: shown[name] for name in calls} == dict(calls)
 
 
 def test_xplane_file_structure(exported: dict[str, Any]) -> None:
@@ -173,3 +178,59 @@ def test_xplane_file_structure(exported: dict[str, Any]) -> None:
 )
 def test_framework_op_name(op: str, module: str | None, expected: tuple[str, str]) -> None:
     assert framework_op_name(op, module) == expected
+
+
+# Names that need sanitising, with their (XProf operation, type): XProf silently drops op types that are not
+# CamelCase-or-lowercase identifiers, so each must reach framework_op_stats with its call count.
+AWKWARD = [
+    ("aten::addmm", "blocks.0.fc", 3),
+    ("my ns::op(x)", "_orig_mod.h[0]", 2),
+    ("autograd::engine::evaluate_function: TBackward0", "0", 4),
+    ("mylib::fusedOp", None, 1),
+    ("aten::_log_softmax", None, 5),
+    ("detach", "Model", 2),
+]
+XPROF_TOOLS = """
+import json, sys
+from xprof.convert import raw_to_tool_data as r
+data, _ = r.xspace_to_tool_data([sys.argv[1]], "framework_op_stats", {})
+table = json.loads(data)
+table = table[0] if isinstance(table, list) else table
+cols = [c["id"] for c in table["cols"]]
+trace, _ = r.xspace_to_tool_data([sys.argv[1]], "trace_viewer@", {})
+trace = json.loads(trace)
+print(json.dumps({"ops": [dict(zip(cols, [c.get("v") for c in row["c"]])) for row in table["rows"]],
+                  "events": [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]}))
+"""
+
+
+def test_sanitised_op_names_reach_xprof_framework_op_stats_with_their_counts(tmp_path: Path) -> None:
+    from tests.factories import make_event, make_run, store_with
+    from tpudiag.model import TraceEvent
+    from tpudiag.store import Store
+
+    db = tmp_path / "s.duckdb"
+    run = make_run()
+    events, t, k = [], 1_700_000_000_000_000_000, 0
+    for name, module, calls in AWKWARD:
+        for _ in range(calls):
+            events.append(make_event(run.id, k, name, t, 1000 + k, module=module, process="python", thread="main"))
+            t += 5000
+            k += 1
+    store_with(Store(db), run, {TraceEvent: events})
+    exp = run_tpudiag("export", "--db", str(db), run.id, "--format", "tensorboard", "--out", str(tmp_path / "logs"))
+    assert exp.returncode == 0, exp.stderr
+    [xplane] = [Path(p) for p in exp.stdout.split()]
+    child = subprocess.run([sys.executable, "-c", XPROF_TOOLS, str(xplane)], capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    seen = json.loads(child.stdout)
+    rows = {r["operation"]: r for r in seen["ops"] if r["host_or_device"] == "Host" and r["type"] != "IDLE"}
+    expected = {}
+    for name, module, calls in AWKWARD:
+        full, op_type = framework_op_name(name, module)
+        expected[full.split(":")[0]] = (op_type, calls)
+    assert {op: (r["type"], r["occurrences"]) for op, r in rows.items()} == expected
+    # The trace viewer shows each op event once, under the op's own name.
+    names = collections.Counter(seen["events"])
+    assert {n: names[n] for n, _, _ in AWKWARD} == {n: c for n, _, c in AWKWARD}

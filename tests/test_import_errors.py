@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import REPO, run_tpudiag
 from tpudiag.errors import TpudiagError
-from tpudiag.importer import StatusLine, import_paths
+from tpudiag.importer import import_paths
+from tpudiag.progress import StatusLine
 from tpudiag.store import Store, queries
 
 SAMPLE_KINETO = REPO / "sample_traces" / "cpu_mlp.trace.json.gz"

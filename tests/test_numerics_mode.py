@@ -8,13 +8,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from tpudiag.collectors.numerics.mode import Context, NumericsMode  # noqa: E402
-from tpudiag.collectors.numerics.records import Recorder  # noqa: E402
-from tpudiag.collectors.numerics.sampling import Budget, SamplingOptions  # noqa: E402
-from tpudiag.model import OpDiff, OpRecord  # noqa: E402
+from tpudiag.collectors.numerics.mode import Context, NumericsMode
+from tpudiag.collectors.numerics.records import Recorder
+from tpudiag.collectors.numerics.sampling import Budget, SamplingOptions
+from tpudiag.model import OpDiff, OpRecord
 
 
 def run(

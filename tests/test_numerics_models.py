@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers  # noqa: F401  (installed with dev: a broken install fails here)
 
 from tests.conftest import run_tpudiag
-
-pytest.importorskip("transformers")
 
 PRELUDE = """
 import os, sys
@@ -239,14 +238,20 @@ def test_torch_compile_still_compiles_under_the_collector(tmp_path: Path) -> Non
         eager = torch.tanh(x @ w).sin() * 2
         print("graphs", counters["stats"]["unique_graphs"], "frames", counters["frames"]["ok"])
         print("same", bool(torch.equal(y, eager)))
+        print("bits", hashlib.sha256(y.numpy().tobytes()).hexdigest())
     """)
     )
+    script.write_text("import hashlib, torch\ntorch.manual_seed(0)\n" + script.read_text())
+    plain = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
     db = tmp_path / "store.duckdb"
     proc = run_tpudiag(
         "capture", "--db", str(db), "--collect", "numerics", "--numerics", "all", str(script), cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr
     assert "graphs 1 frames 1" in proc.stdout, proc.stdout
+    # Under the collector the compiled function gives bitwise what it gives without tpudiag, and what eager gives.
+    assert proc.stdout == plain.stdout and "same True" in proc.stdout, (plain.stdout, proc.stdout)
     data = json.loads(run_tpudiag("report", "--db", str(db), "--json", cwd=tmp_path).stdout)
     cov = data["numerics"]["coverage"]
     assert cov["compiled_frames"] >= 1

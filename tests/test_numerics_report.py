@@ -8,9 +8,9 @@ from typing import Any
 
 from tests.conftest import run_tpudiag
 from tests.factories import make_run, store_with
-from tpudiag import numerics_report, report
+from tpudiag import numerics_report
 from tpudiag.model import OpDiff, OpRecord
-from tpudiag.store import Store
+from tpudiag.store import Store, queries
 
 
 def _op(run_id: str, seq: int, op: str, **kw: Any) -> OpRecord:
@@ -133,8 +133,14 @@ def test_no_numerics_data_gives_null_and_zero_checked_warns(db: Path) -> None:
     assert "WARNING" in "\n".join(numerics_report.render_section(sec))
 
 
-def test_report_registers_the_section() -> None:
-    assert report.SECTIONS["numerics"] == "tpudiag.numerics_report:build_section:render_section"
+def test_the_report_command_shows_the_section(db: Path, tmp_path: Path) -> None:
+    store, run = _store(db)
+    section = numerics_report.build_section(store, queries.resolve_run(store, run["id"]))  # as stored
+    assert section is not None and section["first_divergence"]["seq"] == 4
+    data = json.loads(run_tpudiag("report", "--db", str(db), run["id"], "--json", cwd=tmp_path).stdout)
+    assert data["numerics"] == json.loads(json.dumps(section, default=str))
+    text = run_tpudiag("report", "--db", str(db), run["id"], cwd=tmp_path).stdout
+    assert "\n".join(numerics_report.render_section(section)) in text
 
 
 def test_repro_errors_are_one_line(db: Path, tmp_path: Path) -> None:

@@ -17,6 +17,9 @@ from tpudiag.analysis.verdict import (
     threshold,
 )
 from tpudiag.collectors.numerics.sampling import (
+    PRIOR_FIXED_S,
+    PRIOR_PER_ELEMENT_S,
+    REPEAT_RESERVE,
     Budget,
     Sampler,
     SamplingOptions,
@@ -114,7 +117,7 @@ def test_roles() -> None:
 
 
 # -- metrics ----------------------------------------------------------------------------------------------------
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402
 
 
 def test_compare_contract_empty_and_inputs_unchanged() -> None:
@@ -193,10 +196,36 @@ def test_sampler_first_k_per_signature() -> None:
     assert all(everything.wants(("x",)) for _ in range(10))
 
 
-def test_budget_allows_checks_only_within_the_percentage() -> None:
+def test_budget_estimate_learns_fixed_plus_rate_times_elements() -> None:
     b = Budget(pct=10.0)
-    assert not b.allows(elapsed_s=0.0) or b.extra_s == 0
-    b.charge(0.5)
-    assert not b.allows(elapsed_s=2.0)  # 0.5 s extra vs 1.5 s own time: 33%
-    assert b.allows(elapsed_s=20.0)  # 0.5 + 0.5 (avg next check) vs 19.5 s: ~5%
-    assert Budget(pct=None).allows(0.0)
+    # Before any check: the prior of the op's kind.
+    assert b.estimate("aten::mm", "matmul", 1000) == pytest.approx(PRIOR_FIXED_S + PRIOR_PER_ELEMENT_S["matmul"] * 1000)
+    # A check of known cost and size: the estimate for that op becomes fixed + measured rate x n.
+    rate = 3e-9
+    b.charge(PRIOR_FIXED_S + rate * 10_000, "aten::tanh", "pointwise", 10_000)
+    assert b.estimate("aten::tanh", "pointwise", 50_000) == pytest.approx(PRIOR_FIXED_S + rate * 50_000)
+    # Another op of the same kind learns from the kind's rate; the checked op's cost is spent.
+    assert b.estimate("aten::sin", "pointwise", 2_000) == pytest.approx(PRIOR_FIXED_S + rate * 2_000)
+    assert b.spent() == pytest.approx(PRIOR_FIXED_S + rate * 10_000) and b.checks == 1
+
+
+def test_budget_refuses_a_check_exactly_when_it_would_exceed_the_allowance() -> None:
+    b = Budget(pct=10.0)
+    b.charge(0.5, "aten::tanh", "pointwise", 10_000)
+    cost = b.estimate("aten::tanh", "pointwise", 10_000)
+    spent = b.spent()
+    # allowance(elapsed) = 10% x (elapsed - spent): the check fits once that reaches spent + cost.
+    edge = (spent + cost) / 0.10 + spent
+    assert b.allows_check("aten::tanh", "pointwise", 10_000, edge * (1 + 1e-9), times_checked=0)
+    assert not b.allows_check("aten::tanh", "pointwise", 10_000, edge * (1 - 1e-9), times_checked=0)
+    # A signature already checked gets only half the allowance: refused at the edge, allowed at twice the need.
+    assert not b.allows_check("aten::tanh", "pointwise", 10_000, edge * (1 + 1e-9), times_checked=1)
+    edge_repeat = (spent + cost) / (0.10 * REPEAT_RESERVE) + spent
+    assert b.allows_check("aten::tanh", "pointwise", 10_000, edge_repeat * (1 + 1e-9), times_checked=3)
+    assert not b.allows_check("aten::tanh", "pointwise", 10_000, edge_repeat * (1 - 1e-9), times_checked=3)
+    # Watching a step and leaving the stack use the same allowance.
+    assert b.affords(cost, edge * (1 + 1e-9)) and not b.affords(cost, edge * (1 - 1e-9))
+    assert b.exhausted(elapsed_s=spent / 0.10 + spent - 1e-6) and not b.exhausted(spent / 0.10 + spent + 1e-6)
+    unlimited = Budget(pct=None)
+    unlimited.charge(100.0)
+    assert unlimited.allows_check("aten::mm", "matmul", 10**9, 0.0, 5) and not unlimited.exhausted(0.0)

@@ -119,7 +119,6 @@ def test_in_process_reader_matches_xprof_events_db(shared_fixtures: Path, tmp_pa
     ``tpu_large``: the benchmark's synthetic TPU XSpace (4 TPU planes, per-event ``group_id`` stats sharing op
     metadata), small enough to stay quick.
     """
-    pytest.importorskip("xprof")
     import subprocess
 
     import pyarrow.parquet as pq

@@ -20,20 +20,22 @@ def _add_db(p: argparse.ArgumentParser) -> None:
 
 
 def _numerics_mode(text: str) -> str:
-    value = text.strip().lower()
-    if value in ("sample", "all", "off") or (value.isdigit() and int(value) > 0):
-        return value
-    raise argparse.ArgumentTypeError(f"{text!r}: expected sample, all, off, or a number of calls per signature")
+    from tpudiag.numerics_options import numerics_mode
+
+    try:
+        numerics_mode(text)
+    except UsageError as err:  # argparse adds "argument --numerics:"
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--numerics ")) from None
+    return text.strip().lower()
 
 
 def _percent(text: str) -> float:
+    from tpudiag.numerics_options import budget_percent
+
     try:
-        value = float(text.rstrip("%"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a percentage such as 20") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 percent")
-    return value
+        return budget_percent(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--budget ")) from None
 
 
 def _split_capture_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -12,12 +12,10 @@ import functools
 import re
 import shutil
 import socket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -25,6 +23,7 @@ import pyarrow.compute as pc
 import tpudiag
 from tpudiag.errors import ImportFormatError, TpudiagError
 from tpudiag.model import CompileEvent, Run
+from tpudiag.progress import StatusLine
 from tpudiag.spool import Spool
 from tpudiag.store import Store, bulk_insert
 from tpudiag.traces import detect
@@ -45,34 +44,6 @@ class ImportResult:
     # The latest file's tables, kept in memory and written straight from Arrow (one file at a time: older ones
     # go to the spool, so memory stays one file's worth).
     pending: list[tuple[str, pa.Table]] = field(default_factory=list)
-
-
-class StatusLine:
-    """A live one-line status on stderr (rewritten in place on a terminal, throttled otherwise)."""
-
-    def __init__(self, stream: Any = None, interval_s: float = 0.5) -> None:
-        self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.interval_s = interval_s
-        self._last = 0.0
-        self._shown = False
-
-    def __call__(self, text: str, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < self.interval_s:
-            return
-        self._last = now
-        if self.tty:
-            self.stream.write(f"\rtpudiag: {text}\x1b[K")
-        else:
-            self.stream.write(f"tpudiag: {text}\n")
-        self.stream.flush()
-        self._shown = True
-
-    def done(self) -> None:
-        if self._shown and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 def new_run_id() -> str:

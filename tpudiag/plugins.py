@@ -1,7 +1,8 @@
-"""Collector plugins: a tiny protocol, the built-ins, and third-party ones found through entry points.
+"""Collector plugins: a tiny protocol, and every collector found through entry points.
 
-Built-ins are named here as module paths and loaded exactly like third-party plugins (entry point group
-``tpudiag.collectors``), so the core never imports a collector module directly.
+Built-ins are registered exactly like third-party plugins: tpudiag's own ``pyproject.toml`` lists them in the
+``tpudiag.collectors`` entry-point group (exporters: ``tpudiag.exporters``), so the core never imports a collector
+module directly and names none.  tpudiag's own entries come first; a third-party entry cannot take a built-in's name.
 """
 
 from __future__ import annotations
@@ -14,17 +15,12 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from tpudiag.clock import Clock, SystemClock
+from tpudiag.entry_points import entry_point_specs
 from tpudiag.errors import UsageError
 from tpudiag.spool import Spool
 
 ENTRY_POINT_GROUP = "tpudiag.collectors"
-
-# name -> "module:attribute" of a factory returning a Collector.
-BUILTIN_COLLECTORS: dict[str, str] = {
-    "trace": "tpudiag.collectors.trace:TraceCollector",
-    "compile": "tpudiag.collectors.compile:CompileCollector",
-    "numerics": "tpudiag.collectors.numerics:NumericsCollector",
-}
+DEFAULT_START_ORDER = 100  # after the built-ins (10-30)
 
 
 @dataclass
@@ -49,6 +45,8 @@ class CaptureContext:
 @runtime_checkable
 class Collector(Protocol):
     name: str
+    # Optional ``start_order`` (int, default DEFAULT_START_ORDER): collectors start in ascending order and stop in
+    # reverse, whatever order they are named or registered in.
 
     def is_available(self) -> bool:
         """Cheap check, called before the target runs; must not import heavy modules needlessly."""
@@ -77,11 +75,8 @@ def _load(spec: str) -> Callable[[], Collector]:
 
 
 def available_factories() -> dict[str, str]:
-    """Every known collector name -> its "module:attr" spec (built-ins first, then entry points)."""
-    specs = dict(BUILTIN_COLLECTORS)
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        specs.setdefault(ep.name, ep.value)
-    return specs
+    """Every known collector name -> its "module:attr" spec (built-ins first, then third-party plugins)."""
+    return entry_point_specs(ENTRY_POINT_GROUP)
 
 
 def load_collectors(names: list[str] | None) -> list[Collector]:
@@ -99,4 +94,5 @@ def load_collectors(names: list[str] | None) -> list[Collector]:
             collectors.append(collector)
         elif names is not None:
             raise UsageError(f"collector {name!r} is not available here")
+    collectors.sort(key=lambda c: getattr(c, "start_order", DEFAULT_START_ORDER))
     return collectors

@@ -110,6 +110,11 @@ class _BackwardModules:
 
 class NumericsCollector:
     name = "numerics"
+    description = (
+        "every aten op re-run on a CPU float64 oracle from its own inputs: verdict and error of each output, "
+        "the op that started a divergence (originator), coverage and skip reasons"
+    )
+    start_order = 30  # last: its dispatch mode is innermost and leaves first
 
     def __init__(self) -> None:
         self._ctx: CaptureContext | None = None

@@ -24,9 +24,8 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpudiag.errors import UsageError
+from tpudiag.numerics_options import DEFAULT_FIRST_K, budget_percent, numerics_mode
 
-DEFAULT_FIRST_K = 3
 WARMUP_STEPS = 3
 EVERY_STEPS = 50
 
@@ -53,26 +52,9 @@ def _patterns(value: Any) -> tuple[str, ...]:
 
 def parse_options(options: dict[str, Any]) -> SamplingOptions:
     """Options as the CLI passes them (``numerics``, ``budget``, ``ops``, ``modules``); UsageError when invalid."""
-    raw = str(options.get("numerics") or "sample").strip().lower()
-    mode, first_k = "sample", DEFAULT_FIRST_K
-    if raw in ("all", "off", "sample"):
-        mode = raw
-    elif raw.startswith("first:") or raw.isdigit():
-        digits = raw.removeprefix("first:")
-        if not digits.isdigit() or int(digits) < 1:
-            raise UsageError(f"--numerics {raw!r}: expected sample, all, off, or a number of calls (e.g. 5)")
-        first_k = int(digits)
-    else:
-        raise UsageError(f"--numerics {raw!r}: expected sample, all, off, or a number of calls (e.g. 5)")
+    mode, first_k = numerics_mode(options.get("numerics") or "sample")
     budget = options.get("budget")
-    budget_pct: float | None = None
-    if budget is not None:
-        try:
-            budget_pct = float(str(budget).rstrip("%"))
-        except ValueError:
-            raise UsageError(f"--budget {budget!r}: expected a percentage such as 20") from None
-        if not budget_pct > 0:
-            raise UsageError(f"--budget {budget!r}: must be more than 0 percent")
+    budget_pct = None if budget is None else budget_percent(budget)
     return SamplingOptions(mode, first_k, _patterns(options.get("ops")), _patterns(options.get("modules")), budget_pct)
 
 

@@ -11,6 +11,7 @@ from tpudiag.errors import UsageError
 from tpudiag.exporters import ExportOptions, exporter_specs, load_exporter
 from tpudiag.store import Store, queries, resolve_db_path
 
+TENSORBOARD_INSTALL = 'pip install "tpudiag[tensorboard]"'
 EPILOG = """formats:
   tensorboard  OUT/plugins/profile/<run>/<host>.xplane.pb: tensorboard --logdir OUT (profile plugin / XProf)
   perfetto     OUT/<run>.trace.json[.gz]: open in ui.perfetto.dev or chrome://tracing
@@ -58,5 +59,7 @@ def cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     for path in paths:
         print(path)
     if args.format == "tensorboard":
-        sys.stderr.write(f"tpudiag: open with: tensorboard --logdir {out}\n")
+        sys.stderr.write(
+            f"tpudiag: open with: tensorboard --logdir {out}  (viewer not installed? {TENSORBOARD_INSTALL})\n"
+        )
     return 0

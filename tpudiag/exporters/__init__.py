@@ -1,8 +1,8 @@
 """Exporters: a stored run written in a format other tools open (TensorBoard/XProf, Perfetto, Parquet).
 
 An exporter is one small object (``name``, ``description``, ``export(store, run, out_dir, options)``)
-that returns the files it wrote.  Built-ins are listed in ``BUILTIN_EXPORTERS`` as "module:Class" and loaded
-lazily; third-party exporters register the same way through the ``tpudiag.exporters`` entry-point group.
+that returns the files it wrote.  Built-ins and third-party exporters alike register as "module:Class" in the
+``tpudiag.exporters`` entry-point group (tpudiag's own in its ``pyproject.toml``) and are loaded lazily.
 
 Files are written under a temporary name and renamed into place, so an interrupted export leaves whole files
 or none, never a truncated one.
@@ -13,23 +13,16 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from tpudiag.entry_points import entry_point_specs
 from tpudiag.errors import UsageError
 from tpudiag.store import Store
 
 ENTRY_POINT_GROUP = "tpudiag.exporters"
-BUILTIN_EXPORTERS: dict[str, str] = {
-    "tensorboard": "tpudiag.exporters.xplane_export:TensorBoardExporter",
-    "perfetto": "tpudiag.exporters.perfetto_export:PerfettoExporter",
-    "parquet": "tpudiag.exporters.parquet_export:ParquetExporter",
-}
 
 
 @dataclass(frozen=True)
@@ -47,11 +40,8 @@ class Exporter(Protocol):
 
 
 def exporter_specs() -> dict[str, str]:
-    """Exporter name -> "module:Class": built-ins, then entry points (which cannot replace a built-in)."""
-    specs = dict(BUILTIN_EXPORTERS)
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        specs.setdefault(ep.name, ep.value)
-    return specs
+    """Exporter name -> "module:Class": tpudiag's own, then other distributions' (which cannot replace one)."""
+    return entry_point_specs(ENTRY_POINT_GROUP)
 
 
 def load_exporter(name: str) -> Exporter:
@@ -83,30 +73,3 @@ def safe_name(text: str) -> str:
     """A file-name-safe version of a run or host name."""
     out = "".join(c if c.isalnum() or c in "-_." else "_" for c in text).strip(".")
     return out or "run"
-
-
-class Progress:
-    """A live status line on stderr (rewritten in place on a terminal, at most a few times a second)."""
-
-    def __init__(self, label: str, total: int, stream: IO[str] | None = None) -> None:
-        self.label = label
-        self.total = total
-        self.done = 0
-        self._stream = stream or sys.stderr
-        self._tty = self._stream.isatty()
-        self._last = 0.0
-        self._t0 = time.monotonic()
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self._tty and now - self._last > 0.2:
-            self._last = now
-            self._stream.write(f"\r{self.label}: {self.done:,}/{self.total:,} events")
-            self._stream.flush()
-
-    def finish(self) -> None:
-        elapsed = time.monotonic() - self._t0
-        end = "\r" if self._tty else ""
-        self._stream.write(f"{end}{self.label}: {self.done:,} events in {elapsed:.2f} s\n")
-        self._stream.flush()

@@ -29,8 +29,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tpudiag.exporters import ExportOptions, Progress, atomic_file, safe_name
+from tpudiag.exporters import ExportOptions, atomic_file, safe_name
 from tpudiag.exporters.xline_encoding import StatColumn, encode_line_events
+from tpudiag.progress import Progress
 from tpudiag.store import Store
 from tpudiag.store import export_queries as q
 from tpudiag.store.queries import HOST_OP_CATEGORIES

@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 
 from tpudiag.errors import ImportFormatError
+from tpudiag.traces.protowire import varint_at
 
 KINETO, XPLANE, TORCH_TRACE = "kineto", "xplane", "torch_trace"
 TRACE_SUFFIXES = (".json", ".json.gz", ".xplane.pb", ".xspace.pb", ".log")
@@ -33,22 +34,10 @@ def _head(path: Path) -> bytes:
     return data
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int] | None:
-    value = shift = 0
-    while pos < len(data) and shift < 64:
-        b = data[pos]
-        value |= (b & 0x7F) << shift
-        pos += 1
-        if not b & 0x80:
-            return value, pos
-        shift += 7
-    return None
-
-
 def looks_like_xspace(head: bytes, size: int) -> bool:
     if not head or head[0] not in _XSPACE_TAGS:
         return False
-    parsed = _varint(head, 1)
+    parsed = varint_at(head, 1)
     return parsed is not None and parsed[1] + parsed[0] <= size
 
 

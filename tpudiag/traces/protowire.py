@@ -78,6 +78,22 @@ def _varint(buf: Array, pos: Array) -> tuple[Array, Array]:
     return value, pos + size
 
 
+def varint_at(data: bytes, pos: int) -> tuple[int, int] | None:
+    """The one varint starting at ``data[pos]`` -> (value, position after it); None when ``data`` ends inside it
+    or it is longer than 10 bytes (a file sniffer's question: is this plausibly a protobuf length?)."""
+    if pos >= len(data):
+        return None
+    chunk = data[pos : pos + 10]
+    try:
+        value, end = _varint(padded(chunk), np.zeros(1, dtype=np.int64))
+    except DecodeError:
+        return None
+    size = int(end[0])
+    if size > len(chunk) or chunk[size - 1] & 0x80:
+        return None
+    return int(value[0]), pos + size
+
+
 def _fixed(buf: Array, pos: Array, width: int) -> Array:
     raw = buf[pos[:, None] + np.arange(width)]
     return np.ascontiguousarray(raw).view(f"<u{width}").ravel().astype(np.uint64)

@@ -8,6 +8,7 @@ followed by its payload, one line per payload line, each prefixed with a TAB.  A
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -21,6 +22,7 @@ import msgspec
 from tpudiag.analysis.compile_events import CompileEventBuilder
 from tpudiag.errors import ImportFormatError
 from tpudiag.model import CompileEvent
+from tpudiag.progress import StatusLine
 
 FILE_PREFIX = "dedicated_log_torch_trace_"
 _GLOG = re.compile(rb"^[VIWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +\d+ [^\]]*\] ")
@@ -116,11 +118,6 @@ def records(
         yield meta, (b"\n".join(lines).decode("utf-8", "replace") if keep else None), ts
 
 
-def _stderr_progress(text: str) -> None:
-    sys.stderr.write(f"\rtpudiag: reading torch trace {text}\x1b[K")
-    sys.stderr.flush()
-
-
 def read_torch_trace(
     path: str | os.PathLike[str],
     run_id: str,
@@ -133,8 +130,10 @@ def read_torch_trace(
     files = trace_files(root)
     if not files:
         raise ImportFormatError(f"{root}: no TORCH_TRACE logs ({FILE_PREFIX}*.log) found")
+    line: StatusLine | None = None
     if progress is None and sys.stderr.isatty() and sum(f.stat().st_size for f in files) > 50_000_000:
-        progress = _stderr_progress
+        line = StatusLine(interval_s=0)
+        progress = functools.partial(_reading, line)
     events: list[CompileEvent] = []
     for index, file in enumerate(files):
         rank = rank_of(file)
@@ -147,6 +146,10 @@ def read_torch_trace(
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ImportFormatError(f"{file}: unexpected record shape ({type(err).__name__}: {err})") from None
         events += builder.finish()
-    if progress is _stderr_progress:
-        sys.stderr.write("\n")
+    if line is not None:
+        line.done()
     return events
+
+
+def _reading(line: StatusLine, text: str) -> None:
+    line(f"reading torch trace {text}")
