@@ -1,0 +1,406 @@
+"""Sampled checks of compiled graphs: compiled output vs a float64 replay of the same graph on the same inputs.
+
+At a sampled call (first K calls per graph and input signature, then every EVERY_STEPS-th, within ``--budget``,
+the same options as eager checking) the wrapper clones the graph inputs *before* the compiled call (compiled code
+may update buffers in place), runs the compiled function as usual, then replays the graph copy twice with the
+user's dispatch modes suspended and the RNG state restored afterwards: on the CPU in float64 (the oracle) and
+eagerly at the device dtype (the reference error).  Each output gets the ``same()``-style verdict
+(``analysis.verdict.decide_graph``) next to the scaled-eps metrics.  A failing graph keeps its inputs for
+localisation when the capture stops (``localise``), so training is not slowed by it.
+
+Everything here is inside an error boundary: any failure of the checker is recorded as a skip with reason
+``tpudiag_error`` and the compiled function's result is returned untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tpudiag.analysis.numerics_metrics import compare, dtype_name
+from tpudiag.analysis.verdict import GraphEvidence, Verdict, decide_graph, is_divergent
+from tpudiag.collectors.numerics.compiled.intercept import GraphInfo, Interceptor
+from tpudiag.collectors.numerics.sampling import EVERY_STEPS, Budget, Sampler, SamplingOptions
+from tpudiag.model import OpDiff, OpRecord
+from tpudiag.oracle import graph as graph_oracle
+
+SIZE_CAP = 1 << 26  # input elements of one graph call; larger calls are skipped as "size_cap"
+MAX_LOCALISED = 4  # failing graphs whose inputs are kept for localisation
+
+
+@dataclass
+class CheckerContext:
+    run_id: str
+    recorder: Any  # collectors.numerics.records.Recorder
+    options: SamplingOptions
+    budget: Budget
+    started: float  # perf_counter() when checking started (budget elapsed time)
+    next_seq: Callable[[], int]  # one sequence number shared with the eager ops (execution order)
+    device_kind: str = "cpu"
+    run_dir: Any = None  # Path of the run's artifacts
+    note: Callable[[str], None] | None = None
+
+
+@dataclass
+class Graph:
+    info: GraphInfo
+    fp64: Any = None  # the float64/CPU rewrite of info.ref (made at the first check)
+    unverifiable: str | None = None  # a reason every call of this graph is skipped for
+    calls: int = 0
+    checks: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    failing: dict[str, Any] | None = None  # kept inputs and rows of the first failing call
+    divergent_calls: int = 0
+    first_seq: int | None = None
+
+
+class CompiledChecker:
+    def __init__(self, ctx: CheckerContext) -> None:
+        self.ctx = ctx
+        self.sampler = Sampler(ctx.options)
+        self.graphs: list[Graph] = []
+        self.active = False
+        self.errors: list[str] = []
+        self.interceptor = Interceptor(self._on_graph, self._on_error)
+        self.unsupported: str | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        try:
+            self.unsupported = self.interceptor.install()
+        except Exception as e:
+            self.unsupported = f"interception failed ({type(e).__name__}: {e})"
+        self.active = self.unsupported is None
+        if self.unsupported and self.ctx.note is not None:
+            self.ctx.note(f"numerics: compiled regions are not checked: {self.unsupported}")
+
+    def stop(self) -> dict[str, Any]:
+        """Stop checking, localise failing graphs, write the aggregated rows; returns the settings summary."""
+        self.active = False
+        with contextlib.suppress(Exception):
+            self.interceptor.remove()
+        localised = 0
+        for g in self.graphs:
+            if g.failing is None:
+                continue
+            try:
+                from tpudiag.collectors.numerics.compiled.localise import localise_graph
+
+                if localise_graph(self, g):
+                    localised += 1
+            except Exception as e:
+                self._on_error("localise", e)
+            try:
+                from tpudiag.collectors.numerics.compiled.repro import write_repro
+
+                write_repro(self, g)
+            except Exception as e:
+                self._on_error("repro", e)
+        for g in self.graphs:
+            for reason, n in g.skipped.items():
+                self._row_only(g, reason, calls=n)
+        return {
+            "graphs": len(self.graphs),
+            "graphs_checked": sum(1 for g in self.graphs if g.checks),
+            "graph_calls": sum(g.calls for g in self.graphs),
+            "graph_checks": sum(g.checks for g in self.graphs),
+            "divergent_graphs": sum(1 for g in self.graphs if g.divergent_calls),
+            "localised": localised,
+            "unsupported": self.unsupported,
+            "errors": self.errors[:20],
+        }
+
+    # -- interception -----------------------------------------------------------------------------------------
+    def _on_error(self, where: str, exc: BaseException) -> None:
+        self.errors.append(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+    def _on_graph(self, info: GraphInfo, compiled: Any) -> Any:
+        g = Graph(info)
+        cols = graph_oracle.collectives(info.ref)
+        if cols:
+            g.unverifiable = "collective"
+        self.graphs.append(g)
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+
+        # Dynamo turns a lazy GraphModule (or its lazy forward) into its real forward right after this call; it
+        # cannot see through the wrapper, so do the same here first.
+        if isinstance(compiled, _LazyGraphModule):
+            _LazyGraphModule.force_recompile(compiled)
+        elif isinstance(getattr(compiled, "__self__", None), _LazyGraphModule):
+            lazy = compiled.__self__
+            _LazyGraphModule.force_recompile(lazy)
+            compiled = lazy.forward
+        checker = self
+
+        def compiled_region(*args: Any) -> Any:
+            if not checker.active:
+                return compiled(*args)
+            try:
+                plan = checker._plan(g, args)
+            except Exception as e:
+                checker._on_error("plan", e)
+                plan = None
+            if plan is None:
+                return compiled(*args)
+            return checker._checked_call(g, compiled, args, plan)
+
+        # Attributes backends put on their callable (TorchTPU's ``serialize``, AOT's ``_boxed_call``) stay visible.
+        with contextlib.suppress(Exception):
+            compiled_region.__dict__.update(getattr(compiled, "__dict__", {}))
+        compiled_region.__wrapped__ = compiled  # type: ignore[attr-defined]
+        return compiled_region
+
+    # -- sampling ---------------------------------------------------------------------------------------------
+    def _plan(self, g: Graph, args: tuple[Any, ...]) -> dict[str, Any] | None:
+        """None: run as usual (counted); a dict: check this call."""
+        g.calls += 1
+        if g.unverifiable is not None:
+            g.skipped[g.unverifiable] = g.skipped.get(g.unverifiable, 0) + 1
+            return None
+        # A static graph's shapes are fixed by its guards; a dynamic one's by its integer (SymInt) inputs.
+        ints = tuple(a for a in args if isinstance(a, int))
+        signature = ("compiled_graph", g.info.compile_id, ints)
+        wanted = self.sampler.wants(signature) or self.sampler.counts[signature] % EVERY_STEPS == 0
+        if not wanted:
+            g.skipped["sampled"] = g.skipped.get("sampled", 0) + 1
+            return None
+        numel = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
+        if numel > SIZE_CAP:
+            g.skipped["size_cap"] = g.skipped.get("size_cap", 0) + 1
+            return None
+        budget = self.ctx.budget
+        elapsed = time.perf_counter() - self.ctx.started
+        op = f"compiled_graph {g.info.compile_id}"
+        if not budget.allows_check(op, "graph", numel, elapsed, self.sampler.checked.get(signature, 0)):
+            self.sampler.refused(signature)
+            g.skipped["budget"] = g.skipped.get("budget", 0) + 1
+            return None
+        self.sampler.checked[signature] = self.sampler.checked.get(signature, 0) + 1
+        return {"numel": numel, "op": op}
+
+    # -- one checked call -------------------------------------------------------------------------------------
+    def _checked_call(self, g: Graph, compiled: Any, args: tuple[Any, ...], plan: dict[str, Any]) -> Any:
+        t0 = time.perf_counter()
+        snapshot: list[Any] | None = None
+        try:
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes(), torch.no_grad():
+                snapshot = graph_oracle.clone_inputs(args)
+        except Exception as e:
+            self._on_error("snapshot", e)
+        t_call = time.perf_counter()
+        out = compiled(*args)  # the user's call: its exceptions are the user's
+        call_s = time.perf_counter() - t_call
+        if snapshot is None:
+            g.skipped["tpudiag_error"] = g.skipped.get("tpudiag_error", 0) + 1
+            return out
+        try:
+            self._check(g, snapshot, out, plan)
+        except Exception as e:
+            self._on_error("check", e)
+            g.skipped["tpudiag_error"] = g.skipped.get("tpudiag_error", 0) + 1
+        spent = time.perf_counter() - t0 - call_s
+        with contextlib.suppress(Exception):
+            self.ctx.budget.charge(spent, plan["op"], "graph", plan["numel"])
+        return out
+
+    def _check(self, g: Graph, snapshot: list[Any], out: Any, plan: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        if g.fp64 is None:
+            g.fp64 = graph_oracle.to_float64_graph(g.info.ref)
+        try:
+            fp64 = graph_oracle.replay(g.fp64, graph_oracle.float64_inputs(snapshot))
+        except NotImplementedError:
+            g.unverifiable = "no_cpu_kernel"
+            g.skipped["no_cpu_kernel"] = g.skipped.get("no_cpu_kernel", 0) + 1
+            return
+        if fp64.random_ops:
+            g.unverifiable = "random_ops"
+            g.skipped["random_ops"] = g.skipped.get("random_ops", 0) + 1
+            return
+        eager = graph_oracle.replay(g.info.ref, graph_oracle.clone_inputs(snapshot))
+        compiled_out = graph_oracle.flat_outputs(out)
+        diffs: list[tuple[OutputCheck, OpDiff]] = []
+        node_seq = self.ctx.next_seq()  # reserved for the originating node found by localisation
+        seq = self.ctx.next_seq()
+        for i, (c, e, r) in enumerate(zip(compiled_out, eager.outputs, fp64.outputs, strict=False)):
+            checked = check_output(c, e, r)
+            if checked is None:
+                continue
+            diffs.append((checked, checked.diff(self.ctx.run_id, seq, i)))
+        g.checks += 1
+        divergent = any(is_divergent(ck.verdict.verdict) for ck, _ in diffs)
+        tensors = [a for a in snapshot if isinstance(a, torch.Tensor)]
+        record = OpRecord(
+            run_id=self.ctx.run_id,
+            seq=seq,
+            op=f"compiled_graph {g.info.compile_id}",
+            overload=g.info.backend,
+            module=None,
+            phase="forward",
+            source_loc=_short(g.info.frame),
+            dtypes=_json([dtype_name(t.dtype) for t in tensors[:64]]),
+            shapes=_json([list(t.shape) for t in tensors[:64]]),
+            device=str(tensors[0].device) if tensors else None,
+            checked=True,
+            kind="graph",
+            check_ns=int((time.perf_counter() - t0) * 1e9),
+            region="compiled_graph",
+            graph_id=g.info.compile_id,
+        )
+        rec = self.ctx.recorder
+        rec.op(record)
+        rec.diffs([d for _, d in diffs])
+        f = rec.findings
+        f.seen += 1
+        f.checked += 1
+        if g.first_seq is None:
+            g.first_seq = seq
+        if divergent:
+            f.divergent += 1
+            g.divergent_calls += 1
+            if g.failing is None and sum(1 for x in self.graphs if x.failing is not None) < MAX_LOCALISED:
+                g.failing = {
+                    "inputs": snapshot,
+                    "seq": seq,
+                    "node_seq": node_seq,
+                    "record": record,
+                    "outputs": [(ck, d) for ck, d in diffs],
+                }
+            if f.first is None:
+                f.first = f"{record.op} ({g.info.backend}) seq {seq}"
+            sys.stderr.write(
+                f"tpudiag: numerics: compiled graph {g.info.compile_id} ({g.info.backend}, "
+                f"{_short(g.info.frame) or '?'}) diverges from its float64 replay; localising at the end\n"
+            )
+            sys.stderr.flush()
+
+    def _row_only(self, g: Graph, reason: str, calls: int) -> None:
+        self.ctx.recorder.op(
+            OpRecord(
+                run_id=self.ctx.run_id,
+                seq=g.first_seq if g.first_seq is not None else 0,
+                op=f"compiled_graph {g.info.compile_id}",
+                overload=g.info.backend,
+                phase="forward",
+                source_loc=_short(g.info.frame),
+                checked=False,
+                skip_reason=reason,
+                kind="graph",
+                calls=calls,
+                region="compiled_graph",
+                graph_id=g.info.compile_id,
+            )
+        )
+
+
+@dataclass
+class OutputCheck:
+    """One output of one checked call: metrics and the verdict."""
+
+    verdict: Verdict
+    dtype: str
+    numel: int
+    metrics: Any  # OutputMetrics of compiled vs float64
+    ref_metrics: Any  # OutputMetrics of eager vs float64
+    rmse: float
+    ref_rmse: float
+
+    def diff(self, run_id: str, seq: int, index: int, role: str | None = None) -> OpDiff:
+        m = self.metrics
+        return OpDiff(
+            run_id=run_id,
+            seq=seq,
+            output_index=index,
+            verdict=self.verdict.verdict,
+            role=role,
+            dtype=self.dtype,
+            numel=self.numel,
+            max_abs=m.max_abs,
+            max_rel=m.max_rel,
+            mean_abs=m.mean_abs,
+            rmse=self.rmse,
+            cosine=m.cosine,
+            max_ulp=m.max_ulp,
+            mean_ulp=m.mean_ulp,
+            scaled_error=m.scaled_error,
+            ref_scaled_error=self.ref_metrics.scaled_error if self.ref_metrics is not None else None,
+            threshold=self.verdict.threshold,
+            nan_device=m.nan_device,
+            inf_device=m.inf_device,
+            nan_oracle=m.nan_oracle,
+            inf_oracle=m.inf_oracle,
+            mismatch_rate=m.mismatch_rate,
+            note=self.verdict.note,
+            ref_rmse=self.ref_rmse,
+        )
+
+
+def _rmse(a: torch.Tensor, ref: torch.Tensor) -> float:
+    d = a.double() - ref
+    finite = torch.isfinite(d)
+    if not bool(finite.any()):
+        return 0.0
+    return float(torch.sqrt(torch.mean(d[finite] ** 2)))
+
+
+def check_output(compiled: Any, eager: Any, ref: Any) -> OutputCheck | None:
+    """Verdict of one output (None for outputs that are not tensors, e.g. SymInts)."""
+    if not (isinstance(compiled, torch.Tensor) and isinstance(eager, torch.Tensor) and isinstance(ref, torch.Tensor)):
+        return None
+    if compiled.shape != ref.shape:
+        return OutputCheck(Verdict("fail", None, f"shape {list(compiled.shape)} vs {list(ref.shape)}"),
+                           dtype_name(compiled.dtype), compiled.numel(), compare(ref, ref), None, math.nan, math.nan)
+    c = compiled.detach().to("cpu")
+    e = eager.detach().to("cpu")
+    m = compare(c, ref)
+    if not (c.is_floating_point() or c.is_complex()):
+        mr = compare(e, ref)
+        v = Verdict("fail" if (m.mismatch_rate or 0) > 0 else "pass", 0.0,
+                    f"{m.mismatch_rate:.3%} of elements differ" if m.mismatch_rate else None)
+        return OutputCheck(v, m.dtype, m.numel, m, mr, 0.0, 0.0)
+    mr = compare(e, ref)
+    finite = torch.isfinite(ref)
+    r = ref[finite]
+    rms = float(torch.sqrt(torch.mean(r**2))) if r.numel() else 0.0
+    diff_ref = (c.double() - e.double()).abs()
+    diff_ref = diff_ref[torch.isfinite(diff_ref)]
+    ev = GraphEvidence(
+        dtype=m.dtype,
+        numel=m.numel,
+        rmse=_rmse(c, ref),
+        ref_rmse=_rmse(e, ref),
+        max_diff_ref=float(diff_ref.max()) if diff_ref.numel() else 0.0,
+        scale=float(r.abs().max()) if r.numel() else 0.0,
+        rms=rms,
+        overflow=m.overflow if not mr.overflow else 0,
+        nonfinite_mismatch=m.nonfinite_mismatch if not mr.nonfinite_mismatch else 0,
+    )
+    return OutputCheck(decide_graph(ev), m.dtype, m.numel, m, mr, ev.rmse, ev.ref_rmse)
+
+
+def _short(loc: str | None) -> str | None:
+    if not loc:
+        return loc
+    import os
+
+    path, _, line = loc.rpartition(":")
+    with contextlib.suppress(ValueError):
+        rel = os.path.relpath(path)
+        if not rel.startswith(".."):
+            return f"{rel}:{line}"
+    return loc
+
+
+def _json(x: Any) -> str:
+    import json
+
+    return json.dumps(x, separators=(",", ":"))
