@@ -499,7 +499,9 @@ def decide_graph(ev: GraphEvidence) -> Verdict:
     the output's magnitude keeps the rule the same for outputs of any size.
     """
     if ev.overflow:
-        return Verdict("overflow", None, f"{ev.overflow} element(s) non-finite in the compiled output, finite in float64")
+        return Verdict(
+            "overflow", None, f"{ev.overflow} element(s) non-finite in the compiled output, finite in float64"
+        )
     if ev.nonfinite_mismatch:
         return Verdict("fail", None, f"{ev.nonfinite_mismatch} element(s) disagree about NaN/Inf")
     tol = GRAPH_TOL.get(ev.dtype, GRAPH_TOL["float32"])

@@ -167,25 +167,24 @@ def replay(
     from torch.utils._python_dispatch import _disable_current_modes
 
     log = _OpLog(per_node)
-    with _disable_current_modes(), torch.no_grad(), preserved_rng():
-        with log:
-            if per_node:
-                interp = _Recording(gm, log, keep or (lambda n: n.op != "output"))
-                out = interp.run(*inputs)
-                values = interp.values
-            else:
-                out = gm(*inputs)
-                values = {}
+    with _disable_current_modes(), torch.no_grad(), preserved_rng(), log:
+        if per_node:
+            interp = _Recording(gm, log, keep or (lambda n: n.op != "output"))
+            out = interp.run(*inputs)
+            values = interp.values
+        else:
+            out = gm(*inputs)
+            values = {}
     return Replay(flat_outputs(out), log.random, values, log.ops)
 
 
-class preserved_rng:  # noqa: N801 - used as a context manager, reads like one
+class preserved_rng:  # used as a context manager: named like one
     """Save the CPU (and CUDA, when initialised) RNG state on entry and put it back on exit."""
 
     def __enter__(self) -> None:
         self._cpu = torch.get_rng_state()
         self._cuda: list[torch.Tensor] | None = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             self._cuda = torch.cuda.get_rng_state_all()
 
     def __exit__(self, *exc: object) -> None:

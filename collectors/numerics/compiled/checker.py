@@ -115,6 +115,14 @@ class CompiledChecker:
             "localised": localised,
             "unsupported": self.unsupported,
             "errors": self.errors[:20],
+            "repros": [g.failing["repro"] for g in self.graphs if g.failing and g.failing.get("repro")],
+            "localisations": [
+                {"graph": g.info.compile_id, **g.failing["localised"]}
+                if isinstance(g.failing.get("localised"), dict)
+                else {"graph": g.info.compile_id, "not_localised": g.failing.get("localised")}
+                for g in self.graphs
+                if g.failing
+            ],
         }
 
     # -- interception -----------------------------------------------------------------------------------------
@@ -357,15 +365,25 @@ def check_output(compiled: Any, eager: Any, ref: Any) -> OutputCheck | None:
     if not (isinstance(compiled, torch.Tensor) and isinstance(eager, torch.Tensor) and isinstance(ref, torch.Tensor)):
         return None
     if compiled.shape != ref.shape:
-        return OutputCheck(Verdict("fail", None, f"shape {list(compiled.shape)} vs {list(ref.shape)}"),
-                           dtype_name(compiled.dtype), compiled.numel(), compare(ref, ref), None, math.nan, math.nan)
+        return OutputCheck(
+            Verdict("fail", None, f"shape {list(compiled.shape)} vs {list(ref.shape)}"),
+            dtype_name(compiled.dtype),
+            compiled.numel(),
+            compare(ref, ref),
+            None,
+            math.nan,
+            math.nan,
+        )
     c = compiled.detach().to("cpu")
     e = eager.detach().to("cpu")
     m = compare(c, ref)
     if not (c.is_floating_point() or c.is_complex()):
         mr = compare(e, ref)
-        v = Verdict("fail" if (m.mismatch_rate or 0) > 0 else "pass", 0.0,
-                    f"{m.mismatch_rate:.3%} of elements differ" if m.mismatch_rate else None)
+        v = Verdict(
+            "fail" if (m.mismatch_rate or 0) > 0 else "pass",
+            0.0,
+            f"{m.mismatch_rate:.3%} of elements differ" if m.mismatch_rate else None,
+        )
         return OutputCheck(v, m.dtype, m.numel, m, mr, 0.0, 0.0)
     mr = compare(e, ref)
     finite = torch.isfinite(ref)

@@ -108,7 +108,7 @@ class Interceptor:
                 return compiled
 
         call_user_compiler.__wrapped__ = orig  # type: ignore[attr-defined]
-        OutputGraph.call_user_compiler = call_user_compiler  # type: ignore[method-assign]
+        OutputGraph.call_user_compiler = call_user_compiler  # type: ignore[method-assign,assignment]
         self._orig, self._patched = orig, call_user_compiler
         return None
 

@@ -88,7 +88,7 @@ def localise_graph(checker: CompiledChecker, g: Graph) -> bool:
 
         lo, hi = 0, len(candidates) - 1
         if first_bad(hi) is None:
-            g.failing["localised"] = "the divergence does not show in sub-graphs (fusion-dependent?)"
+            failing["localised"] = "the divergence does not show in sub-graphs (fusion-dependent?)"
             return False
         while lo < hi and len(probes) < MAX_PROBES:
             mid = (lo + hi) // 2

@@ -59,9 +59,11 @@ _BACKENDS = {"inductor", "aot_eager", "eager", "tpu", "aot_eager_decomp_partitio
 def graph_source(gm: Any) -> str:
     """``class Repro(torch.nn.Module)`` with the graph's forward (Dynamo graphs hold no submodules: parameters
     are inputs)."""
-    return "import torch\nfrom torch import device\n\n\nclass Repro(torch.nn.Module):\n" + textwrap.indent(
-        gm.code.strip("\n"), "    "
-    ) + "\n"
+    return (
+        "import torch\nfrom torch import device\n\n\nclass Repro(torch.nn.Module):\n"
+        + textwrap.indent(gm.code.strip("\n"), "    ")
+        + "\n"
+    )
 
 
 def write_repro(checker: Any, g: Any) -> str | None:
