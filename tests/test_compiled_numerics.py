@@ -78,7 +78,21 @@ def _planted_fw(gm: Any, example_inputs: Any) -> Any:
     return gm
 
 
+def _planted_bw(gm: Any, example_inputs: Any) -> Any:
+    """A backward miscompile: the first tanh_backward of the backward graph scaled by 1.003."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.tanh_backward.default:
+            with gm.graph.inserting_after(n):
+                m = gm.graph.call_function(torch.ops.aten.mul.Tensor, (n, 1.003))
+            n.replace_all_uses_with(m)
+            m.args = (n, 1.003)
+            break
+    gm.recompile()
+    return gm
+
+
 PLANTED = aot_autograd(fw_compiler=_planted_fw)
+PLANTED_BW = aot_autograd(fw_compiler=lambda gm, example_inputs: gm, bw_compiler=_planted_bw)
 
 
 def _new_checker(tmp_path: Path, **options: Any) -> tuple[CompiledChecker, Recorder]:
@@ -151,7 +165,7 @@ def test_planted_miscompile_is_named_exactly_as_the_only_originator(tmp_path: Pa
     checked, summary, ops, diffs = _checked(tmp_path, lambda: _train(PLANTED))
     _same(plain, checked)
 
-    graph_rows = [o for o in ops if o.region == "compiled_graph" and o.checked]
+    graph_rows = [o for o in ops if o.region == "compiled_graph" and o.checked and o.phase == "forward"]
     assert graph_rows and all(o.graph_id == "0/0" for o in graph_rows)
     graph_seqs = {o.seq for o in graph_rows}
     assert {d.verdict for d in diffs if d.seq in graph_seqs} == {"fail"}
@@ -183,6 +197,9 @@ def test_clean_aot_eager_compile_has_no_divergent_graph(tmp_path: Path) -> None:
     checked, summary, ops, diffs = _checked(tmp_path, lambda: _train("aot_eager", bn=True))
     _same(plain, checked)  # batch-norm statistics the graph mutates: only the clones were touched by replays
     assert summary["graph_checks"] == 3 and summary["divergent_graphs"] == 0
+    assert summary["backward_checks"] == 3 and summary["divergent_backward_graphs"] == 0
+    backward = {o.seq for o in ops if o.phase == "backward" and o.checked}
+    assert len(backward) == 3 and len({d.seq for d in diffs} & backward) == 3
     assert diffs and {d.verdict for d in diffs} == {"pass"}
     assert not [d for d in diffs if d.role]
     sampled = [o for o in ops if o.skip_reason == "sampled"]
@@ -266,7 +283,8 @@ def test_compiled_rows_in_the_store_and_the_report(tmp_path: Path) -> None:
     first = section["first_divergence"]
     assert first["region"] == "compiled_node" and first["op"] == "aten.tanh.default" and first["module"] == "layers.1"
     by_region = section["coverage"]["by_region"]
-    assert by_region["compiled_graph"]["checked"] == 2 and by_region["compiled_graph"]["divergent_graphs"] == 1
+    # Two calls checked, forward and backward each; the backward of the forward miscompile is right.
+    assert by_region["compiled_graph"]["checked"] == 4 and by_region["compiled_graph"]["divergent_graphs"] == 1
     text = "\n".join(numerics_report.render_section(section))
     assert "FIRST DIVERGENCE: node " in text and "of compiled graph 0/0 in layers.1" in text
     assert "1 divergent, 1 localised to a node" in text
@@ -293,3 +311,20 @@ def test_float64_rewrite_of_casts_devices_and_autocast() -> None:
     assert out.dtype == torch.float64
     assert torch.allclose(out, x.double() @ x.double() + 1, rtol=1e-12, atol=1e-12)
     assert graphs[0].code != fp64.code  # the original copy is left as Dynamo made it
+
+
+def test_planted_backward_miscompile_fails_the_gradients_only(tmp_path: Path) -> None:
+    plain = _train(PLANTED_BW)
+    checked, summary, ops, diffs = _checked(tmp_path, lambda: _train(PLANTED_BW))
+    _same(plain, checked)  # the backward hook only reads: .grad and the optimizer steps are bitwise the same
+    phase = {o.seq: o.phase for o in ops if o.checked}
+    forward = [d for d in diffs if phase[d.seq] == "forward"]
+    backward = [d for d in diffs if phase[d.seq] == "backward"]
+    assert forward and {d.verdict for d in forward} == {"pass"}
+    assert summary["divergent_graphs"] == 0 and summary["divergent_backward_graphs"] == 1
+    failing = {(d.note or "").split(":")[0] for d in backward if d.verdict == "fail"}
+    # Gradients of everything before the miscompiled tanh_backward (the last block's tanh) are off; the head's
+    # gradients, computed before it in the backward, are not.
+    assert "gradient of layers.0.fc.weight" in failing
+    assert "gradient of head.weight" not in failing and "gradient of head.bias" not in failing
+    assert "gradient of layers.2.fc.weight" in failing

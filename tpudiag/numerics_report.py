@@ -155,12 +155,20 @@ def render_section(section: dict[str, Any]) -> list[str]:
     else:
         m = first["metrics"]
         lines.append(f"  FIRST DIVERGENCE: {_describe(first)}")
-        lines.append(
-            f"    verdict {first['verdict']} ({first['role'] or 'no role'}), {first['dtype']}: scaled error "
-            f"{_fmt(m.get('scaled_error'))} eps (allowed {_fmt(m.get('threshold'))}), max abs "
-            f"{_fmt(m.get('max_abs'))}, max rel {_fmt(m.get('max_rel'))}"
-            + (f"; {first['note']}" if first.get("note") else "")
-        )
+        if first.get("region") in ("compiled_graph", "compiled_node"):
+            lines.append(
+                f"    verdict {first['verdict']} ({first['role'] or 'no role'}), {first['dtype']}: RMSE against the "
+                f"float64 replay {_fmt(m.get('rmse'))} (allowed {_fmt(m.get('threshold'))}; eager at the same dtype "
+                f"{_fmt(m.get('ref_rmse'))}), max abs {_fmt(m.get('max_abs'))}"
+                + (f"; {first['note']}" if first.get("note") else "")
+            )
+        else:
+            lines.append(
+                f"    verdict {first['verdict']} ({first['role'] or 'no role'}), {first['dtype']}: scaled error "
+                f"{_fmt(m.get('scaled_error'))} eps (allowed {_fmt(m.get('threshold'))}), max abs "
+                f"{_fmt(m.get('max_abs'))}, max rel {_fmt(m.get('max_rel'))}"
+                + (f"; {first['note']}" if first.get("note") else "")
+            )
         if first.get("repro"):
             lines.append(f"    reproduce: {first['repro']}")
     if cov.get("warning"):

@@ -59,6 +59,9 @@ class Graph:
     failing: dict[str, Any] | None = None  # kept inputs and rows of the first failing call
     divergent_calls: int = 0
     first_seq: int | None = None
+    skipped_bw: dict[str, int] = field(default_factory=dict)  # backward checks not made, by reason
+    backward_checks: int = 0
+    backward_divergent: int = 0
 
 
 class CompiledChecker:
@@ -106,12 +109,16 @@ class CompiledChecker:
         for g in self.graphs:
             for reason, n in g.skipped.items():
                 self._row_only(g, reason, calls=n)
+            for reason, n in g.skipped_bw.items():
+                self._row_only(g, reason, calls=n, phase="backward")
         return {
             "graphs": len(self.graphs),
             "graphs_checked": sum(1 for g in self.graphs if g.checks),
             "graph_calls": sum(g.calls for g in self.graphs),
             "graph_checks": sum(g.checks for g in self.graphs),
             "divergent_graphs": sum(1 for g in self.graphs if g.divergent_calls),
+            "backward_checks": sum(g.backward_checks for g in self.graphs),
+            "divergent_backward_graphs": sum(1 for g in self.graphs if g.backward_divergent),
             "localised": localised,
             "unsupported": self.unsupported,
             "errors": self.errors[:20],
@@ -211,10 +218,23 @@ class CompiledChecker:
             g.skipped["tpudiag_error"] = g.skipped.get("tpudiag_error", 0) + 1
             return out
         try:
-            self._check(g, snapshot, out, plan)
+            # Labelled, so a profiler trace shows the checker's replays as tpudiag's work, not the script's.
+            with torch.profiler.record_function("tpudiag::compiled_check"):
+                self._check(g, snapshot, out, plan)
         except Exception as e:
             self._on_error("check", e)
             g.skipped["tpudiag_error"] = g.skipped.get("tpudiag_error", 0) + 1
+        if g.unverifiable is None and g.fp64 is not None:
+            try:
+                from tpudiag.collectors.numerics.compiled import grads
+
+                with torch.profiler.record_function("tpudiag::compiled_check"):
+                    reason = grads.arm(self, g, snapshot, args, out)
+                if reason is not None:
+                    g.skipped_bw[reason] = g.skipped_bw.get(reason, 0) + 1
+            except Exception as e:
+                self._on_error("backward", e)
+                g.skipped_bw["tpudiag_error"] = g.skipped_bw.get("tpudiag_error", 0) + 1
         spent = time.perf_counter() - t0 - call_s
         with contextlib.suppress(Exception):
             self.ctx.budget.charge(spent, plan["op"], "graph", plan["numel"])
@@ -291,14 +311,14 @@ class CompiledChecker:
             )
             sys.stderr.flush()
 
-    def _row_only(self, g: Graph, reason: str, calls: int) -> None:
+    def _row_only(self, g: Graph, reason: str, calls: int, phase: str = "forward") -> None:
         self.ctx.recorder.op(
             OpRecord(
                 run_id=self.ctx.run_id,
                 seq=g.first_seq if g.first_seq is not None else 0,
                 op=f"compiled_graph {g.info.compile_id}",
                 overload=g.info.backend,
-                phase="forward",
+                phase=phase,
                 source_loc=_short(g.info.frame),
                 checked=False,
                 skip_reason=reason,
