@@ -142,6 +142,10 @@ class CompiledChecker:
         if cols:
             g.unverifiable = "collective"
         self.graphs.append(g)
+        if compiled is None:
+            g.unverifiable = "backend_failed"
+            g.skipped["backend_failed"] = 1
+            return None
         from torch.fx._lazy_graph_module import _LazyGraphModule
 
         # Dynamo turns a lazy GraphModule (or its lazy forward) into its real forward right after this call; it

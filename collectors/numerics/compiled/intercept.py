@@ -74,7 +74,8 @@ def _frame_of(og: Any) -> tuple[str | None, str | None]:
 class Interceptor:
     """Patches ``OutputGraph.call_user_compiler`` while installed.
 
-    ``on_graph(info, compiled_fn)`` returns the callable Dynamo installs (the wrapper) or ``compiled_fn`` itself.
+    ``on_graph(info, compiled_fn)`` returns the callable Dynamo installs (the wrapper) or ``compiled_fn`` itself;
+    it is called with ``compiled_fn=None`` when the backend raised (the exception then goes on to Dynamo as usual).
     ``on_error(where, exc)`` is told about any failure of tpudiag's own code; the compile goes on regardless.
     """
 
@@ -98,7 +99,13 @@ class Interceptor:
 
         def call_user_compiler(og: Any, gm: Any, example_inputs: Any) -> Any:
             info = interceptor._capture(og, gm)
-            compiled = orig(og, gm, example_inputs)
+            try:
+                compiled = orig(og, gm, example_inputs)
+            except BaseException:
+                if info is not None:
+                    with contextlib.suppress(Exception):
+                        interceptor.on_graph(info, None)  # seen, but the backend failed: counted, then re-raised
+                raise
             if info is None:
                 return compiled
             try:
