@@ -328,3 +328,14 @@ def test_planted_backward_miscompile_fails_the_gradients_only(tmp_path: Path) ->
     assert "gradient of layers.0.fc.weight" in failing
     assert "gradient of head.weight" not in failing and "gradient of head.bias" not in failing
     assert "gradient of layers.2.fc.weight" in failing
+
+
+def test_clean_inductor_compile_has_no_divergent_graph(tmp_path: Path) -> None:
+    # Inductor's fused C++ kernels (layer norm + tanh + add, the backward's reductions) against float64: the one
+    # backend whose kernels the eager checker cannot see at all.
+    _train("inductor", steps=1)  # warms Inductor's caches: both runs below then hit them alike (same counters)
+    plain = _train("inductor", steps=3)
+    checked, summary, _, diffs = _checked(tmp_path, lambda: _train("inductor", steps=3))
+    _same(plain, checked)
+    assert summary["graph_checks"] == 3 and summary["backward_checks"] == 3
+    assert diffs and {d.verdict for d in diffs} == {"pass"} and summary["divergent_graphs"] == 0
