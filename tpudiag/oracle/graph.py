@@ -161,13 +161,16 @@ def replay(
     inputs: Sequence[Any],
     per_node: bool = False,
     keep: Callable[[torch.fx.Node], bool] | None = None,
+    grad: bool = False,
 ) -> Replay:
-    """Run ``gm`` on ``inputs`` (already prepared: float64 copies or clones) with no grad, the user's dispatch
-    modes suspended (a checker's replay is not the script's work) and the RNG state left as it was."""
+    """Run ``gm`` on ``inputs`` (already prepared: float64 copies or clones) with the user's dispatch modes
+    suspended (a checker's replay is not the script's work) and the RNG state left as it was; with no grad unless
+    ``grad`` (then the outputs keep their autograd graph, for a reference backward)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     log = _OpLog(per_node)
-    with _disable_current_modes(), torch.no_grad(), preserved_rng(), log:
+    grad_mode = torch.enable_grad() if grad else torch.no_grad()
+    with _disable_current_modes(), grad_mode, preserved_rng(), log:
         if per_node:
             interp = _Recording(gm, log, keep or (lambda n: n.op != "output"))
             out = interp.run(*inputs)

@@ -221,35 +221,44 @@ class CompiledChecker:
         if snapshot is None:
             g.skipped["tpudiag_error"] = g.skipped.get("tpudiag_error", 0) + 1
             return out
+        backward: Any = None
+        try:
+            from tpudiag.collectors.numerics.compiled import grads
+
+            backward = grads.plan(args, out)
+            if isinstance(backward, str):
+                g.skipped_bw[backward] = g.skipped_bw.get(backward, 0) + 1
+                backward = None
+        except Exception as e:
+            self._on_error("backward", e)
+            g.skipped_bw["tpudiag_error"] = g.skipped_bw.get("tpudiag_error", 0) + 1
         try:
             # Labelled, so a profiler trace shows the checker's replays as tpudiag's work, not the script's.
             with torch.profiler.record_function("tpudiag::compiled_check"):
-                self._check(g, snapshot, out, plan)
+                self._check(g, snapshot, out, plan, backward)
         except Exception as e:
             self._on_error("check", e)
             g.skipped["tpudiag_error"] = g.skipped.get("tpudiag_error", 0) + 1
-        if g.unverifiable is None and g.fp64 is not None:
-            try:
-                from tpudiag.collectors.numerics.compiled import grads
-
-                with torch.profiler.record_function("tpudiag::compiled_check"):
-                    reason = grads.arm(self, g, snapshot, args, out)
-                if reason is not None:
-                    g.skipped_bw[reason] = g.skipped_bw.get(reason, 0) + 1
-            except Exception as e:
-                self._on_error("backward", e)
-                g.skipped_bw["tpudiag_error"] = g.skipped_bw.get("tpudiag_error", 0) + 1
         spent = time.perf_counter() - t0 - call_s
         with contextlib.suppress(Exception):
             self.ctx.budget.charge(spent, plan["op"], "graph", plan["numel"])
         return out
 
-    def _check(self, g: Graph, snapshot: list[Any], out: Any, plan: dict[str, Any]) -> None:
+    def _check(self, g: Graph, snapshot: list[Any], out: Any, plan: dict[str, Any], backward: Any = None) -> None:
+        """Forward verdicts now; with ``backward`` = (node, wanted), the reference forwards keep their autograd
+        graphs (one replay each serves the forward and the backward check) and the backward is hooked."""
+        from tpudiag.collectors.numerics.compiled import grads
+
         t0 = time.perf_counter()
         if g.fp64 is None:
             g.fp64 = graph_oracle.to_float64_graph(g.info.ref)
+        wanted = backward[1] if backward is not None else None
+        fp64_in = graph_oracle.float64_inputs(snapshot)
+        eager_in = graph_oracle.clone_inputs(snapshot)
+        if wanted is not None:
+            fp64_in, eager_in = grads.leaves(fp64_in, wanted), grads.leaves(eager_in, wanted)
         try:
-            fp64 = graph_oracle.replay(g.fp64, graph_oracle.float64_inputs(snapshot))
+            fp64 = graph_oracle.replay(g.fp64, fp64_in, grad=wanted is not None)
         except NotImplementedError:
             g.unverifiable = "no_cpu_kernel"
             g.skipped["no_cpu_kernel"] = g.skipped.get("no_cpu_kernel", 0) + 1
@@ -258,7 +267,9 @@ class CompiledChecker:
             g.unverifiable = "random_ops"
             g.skipped["random_ops"] = g.skipped.get("random_ops", 0) + 1
             return
-        eager = graph_oracle.replay(g.info.ref, graph_oracle.clone_inputs(snapshot))
+        eager = graph_oracle.replay(g.info.ref, eager_in, grad=wanted is not None)
+        if backward is not None:
+            grads.arm(self, g, backward[0], wanted, out, fp64_in, fp64.outputs, eager_in, eager.outputs)
         compiled_out = graph_oracle.flat_outputs(out)
         diffs: list[tuple[OutputCheck, OpDiff]] = []
         node_seq = self.ctx.next_seq()  # reserved for the originating node found by localisation
@@ -388,6 +399,7 @@ def check_output(compiled: Any, eager: Any, ref: Any) -> OutputCheck | None:
     """Verdict of one output (None for outputs that are not tensors, e.g. SymInts)."""
     if not (isinstance(compiled, torch.Tensor) and isinstance(eager, torch.Tensor) and isinstance(ref, torch.Tensor)):
         return None
+    ref = ref.detach()
     if compiled.shape != ref.shape:
         return OutputCheck(
             Verdict("fail", None, f"shape {list(compiled.shape)} vs {list(ref.shape)}"),

@@ -29,13 +29,6 @@ def _leaves(inputs: list[Any], wanted: list[bool]) -> list[Any]:
     return out
 
 
-def _forward_with_grad(gm: Any, inputs: list[Any]) -> list[Any]:
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), torch.enable_grad(), graph_oracle.preserved_rng():
-        return graph_oracle.flat_outputs(gm(*inputs))
-
-
 def _vjp(outs: list[Any], leaves: list[Any], grads: list[Any], dtype_of: Any) -> list[Any]:
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -75,8 +68,9 @@ def compiled_node(outputs: list[Any]) -> Any:
     return node if "CompiledFunction" in type(node).__name__ else None
 
 
-def arm(checker: Any, g: Any, snapshot: list[Any], args: tuple[Any, ...], out: Any) -> str | None:
-    """Hook the region's backward for a check; returns a skip reason when it cannot be checked."""
+def plan(args: tuple[Any, ...], out: Any) -> tuple[Any, list[bool]] | str | None:
+    """(the region's autograd node, which inputs want a gradient) when the backward can be checked; a skip reason
+    when it cannot; None when this call has no backward (no grad mode, nothing requires grad)."""
     if not torch.is_grad_enabled():
         return None
     wanted = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
@@ -86,11 +80,27 @@ def arm(checker: Any, g: Any, snapshot: list[Any], args: tuple[Any, ...], out: A
     node = compiled_node(outs)
     if node is None:
         return "no_compiled_backward"
-    # Reference forwards now (from the inputs as they were before the call), kept until the backward runs.
-    fp64_in = _leaves(graph_oracle.float64_inputs(snapshot), wanted)
-    eager_in = _leaves(graph_oracle.clone_inputs(snapshot), wanted)
-    fp64_out = _forward_with_grad(g.fp64, fp64_in)
-    eager_out = _forward_with_grad(g.info.ref, eager_in)
+    return node, wanted
+
+
+def leaves(inputs: list[Any], wanted: list[bool]) -> list[Any]:
+    return _leaves(inputs, wanted)
+
+
+def arm(
+    checker: Any,
+    g: Any,
+    node: Any,
+    wanted: list[bool],
+    out: Any,
+    fp64_in: list[Any],
+    fp64_out: list[Any],
+    eager_in: list[Any],
+    eager_out: list[Any],
+) -> None:
+    """Hook the region's backward: at the script's own backward, compare the compiled input gradients with the
+    float64 and eager VJPs through the reference forwards made at the forward check (kept until then)."""
+    outs = graph_oracle.flat_outputs(out)
     state = {"done": False}
 
     def hook(grad_inputs: Any, grad_outputs: Any) -> None:
@@ -107,7 +117,6 @@ def arm(checker: Any, g: Any, snapshot: list[Any], args: tuple[Any, ...], out: A
             g.skipped_bw["tpudiag_error"] = g.skipped_bw.get("tpudiag_error", 0) + 1
 
     node.register_hook(hook)
-    return None
 
 
 def _check(
