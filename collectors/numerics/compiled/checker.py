@@ -268,7 +268,7 @@ class CompiledChecker:
             g.skipped["random_ops"] = g.skipped.get("random_ops", 0) + 1
             return
         eager = graph_oracle.replay(g.info.ref, eager_in, grad=wanted is not None)
-        if backward is not None:
+        if backward is not None and wanted is not None:
             grads.arm(self, g, backward[0], wanted, out, fp64_in, fp64.outputs, eager_in, eager.outputs)
         compiled_out = graph_oracle.flat_outputs(out)
         diffs: list[tuple[OutputCheck, OpDiff]] = []
