@@ -339,3 +339,19 @@ def test_clean_inductor_compile_has_no_divergent_graph(tmp_path: Path) -> None:
     _same(plain, checked)
     assert summary["graph_checks"] == 3 and summary["backward_checks"] == 3
     assert diffs and {d.verdict for d in diffs} == {"pass"} and summary["divergent_graphs"] == 0
+
+
+def test_seeded_ops_with_zero_dropout_are_checked(tmp_path: Path) -> None:
+    # CPU attention kernels carry the nondeterministic_seeded tag for their dropout_p; at 0 they draw nothing.
+    def attend(q: Any, p: float) -> Any:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=p)
+
+    def run() -> Any:
+        torch._dynamo.reset()
+        q = torch.randn(2, 4, 8, 16)
+        return torch.compile(attend, backend="eager")(q, 0.0), torch.compile(attend, backend="eager")(q, 0.5)
+
+    _, summary, ops, diffs = _checked(tmp_path, run)
+    assert summary["graphs"] == 2 and summary["graph_checks"] == 1
+    assert {o.skip_reason for o in ops if not o.checked} == {"random_ops"}
+    assert {d.verdict for d in diffs} == {"pass"}

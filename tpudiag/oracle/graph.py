@@ -120,6 +120,24 @@ class Replay:
     node_ops: dict[str, list[str]] = field(default_factory=dict)  # node name -> aten ops it ran (per_node=True)
 
 
+def _no_randomness(func: Any, args: Any, kwargs: Any) -> bool:
+    """A seeded op whose dropout probability is 0 (dropout, attention kernels with ``dropout_p``): configs that turn
+    dropout off keep these ops in training graphs, and every mask they draw is all ones."""
+    try:
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.name in ("p", "dropout_p"):
+                if arg.name in (kwargs or {}):
+                    value = kwargs[arg.name]
+                elif i < len(args):
+                    value = args[i]
+                else:
+                    value = arg.default_value
+                return bool(value == 0)
+    except Exception:
+        return False
+    return False
+
+
 class _OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Notes the aten ops a replay runs: random ones always, all of them per node when asked."""
 
@@ -131,7 +149,7 @@ class _OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.ops: dict[str, list[str]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) and not _no_randomness(func, args, kwargs):
             self.random.append(str(func))
         if self.per_node and self.node is not None:
             names = self.ops.setdefault(self.node, [])
