@@ -288,6 +288,13 @@ def test_compiled_rows_in_the_store_and_the_report(tmp_path: Path) -> None:
     text = "\n".join(numerics_report.render_section(section))
     assert "FIRST DIVERGENCE: node " in text and "of compiled graph 0/0 in layers.1" in text
     assert "1 divergent, 1 localised to a node" in text
+    # The dashboard's Numerics page reads the same rows.
+    from tpudiag.app.numerics import first_divergence_fields
+    from tpudiag.store import dashboard_queries
+
+    view = dashboard_queries.load_numerics(store, "run")
+    fields = {f["field"]: f["value"] for f in first_divergence_fields(view.first_divergence, {"precision": {}})}
+    assert fields["op"] == "aten.tanh.default" and fields["region"].startswith("compiled_node 0/0, node tanh")
 
 
 def test_float64_rewrite_of_casts_devices_and_autocast() -> None:
