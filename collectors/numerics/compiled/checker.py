@@ -15,7 +15,6 @@ Everything here is inside an error boundary: any failure of the checker is recor
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -24,12 +23,13 @@ from typing import Any
 
 import torch
 
-from tpudiag.analysis.numerics_metrics import compare, dtype_name
-from tpudiag.analysis.verdict import GraphEvidence, Verdict, decide_graph, is_divergent
+from tpudiag.analysis.numerics_metrics import dtype_name
+from tpudiag.analysis.verdict import is_divergent
 from tpudiag.collectors.numerics.compiled.intercept import GraphInfo, Interceptor
 from tpudiag.collectors.numerics.sampling import EVERY_STEPS, Budget, Sampler, SamplingOptions
 from tpudiag.model import OpDiff, OpRecord
 from tpudiag.oracle import graph as graph_oracle
+from tpudiag.oracle.outputs import OutputCheck, check_output, floor_check, within_floor
 
 SIZE_CAP = 1 << 26  # input elements of one graph call; larger calls are skipped as "size_cap"
 MAX_LOCALISED = 4  # failing graphs whose inputs are kept for localisation
@@ -267,15 +267,25 @@ class CompiledChecker:
             g.unverifiable = "random_ops"
             g.skipped["random_ops"] = g.skipped.get("random_ops", 0) + 1
             return
-        eager = graph_oracle.replay(g.info.ref, eager_in, grad=wanted is not None)
-        if backward is not None and wanted is not None:
-            grads.arm(self, g, backward[0], wanted, out, fp64_in, fp64.outputs, eager_in, eager.outputs)
         compiled_out = graph_oracle.flat_outputs(out)
+        # The eager reference only when some output is not already within same()'s floor of float64.
+        floors = [within_floor(c, r) for c, r in zip(compiled_out, fp64.outputs, strict=False)]
+        need_eager = any(
+            f is not True for c, f in zip(compiled_out, floors, strict=False) if isinstance(c, torch.Tensor)
+        )
+        eager_outs: list[Any] | None = None
+        if need_eager:
+            eager_outs = graph_oracle.replay(g.info.ref, eager_in, grad=wanted is not None).outputs
+        if backward is not None and wanted is not None:
+            grads.arm(self, g, backward[0], wanted, out, fp64_in, fp64.outputs, eager_in, eager_outs)
         diffs: list[tuple[OutputCheck, OpDiff]] = []
         node_seq = self.ctx.next_seq()  # reserved for the originating node found by localisation
         seq = self.ctx.next_seq()
-        for i, (c, e, r) in enumerate(zip(compiled_out, eager.outputs, fp64.outputs, strict=False)):
-            checked = check_output(c, e, r)
+        for i, (c, r) in enumerate(zip(compiled_out, fp64.outputs, strict=False)):
+            if floors[i] is True:
+                checked: OutputCheck | None = floor_check(c, r)
+            else:
+                checked = check_output(c, eager_outs[i] if eager_outs is not None else None, r)
             if checked is None:
                 continue
             diffs.append((checked, checked.diff(self.ctx.run_id, seq, i)))
@@ -343,102 +353,6 @@ class CompiledChecker:
                 graph_id=g.info.compile_id,
             )
         )
-
-
-@dataclass
-class OutputCheck:
-    """One output of one checked call: metrics and the verdict."""
-
-    verdict: Verdict
-    dtype: str
-    numel: int
-    metrics: Any  # OutputMetrics of compiled vs float64
-    ref_metrics: Any  # OutputMetrics of eager vs float64
-    rmse: float
-    ref_rmse: float
-
-    def diff(self, run_id: str, seq: int, index: int, role: str | None = None) -> OpDiff:
-        m = self.metrics
-        return OpDiff(
-            run_id=run_id,
-            seq=seq,
-            output_index=index,
-            verdict=self.verdict.verdict,
-            role=role,
-            dtype=self.dtype,
-            numel=self.numel,
-            max_abs=m.max_abs,
-            max_rel=m.max_rel,
-            mean_abs=m.mean_abs,
-            rmse=self.rmse,
-            cosine=m.cosine,
-            max_ulp=m.max_ulp,
-            mean_ulp=m.mean_ulp,
-            scaled_error=m.scaled_error,
-            ref_scaled_error=self.ref_metrics.scaled_error if self.ref_metrics is not None else None,
-            threshold=self.verdict.threshold,
-            nan_device=m.nan_device,
-            inf_device=m.inf_device,
-            nan_oracle=m.nan_oracle,
-            inf_oracle=m.inf_oracle,
-            mismatch_rate=m.mismatch_rate,
-            note=self.verdict.note,
-            ref_rmse=self.ref_rmse,
-        )
-
-
-def _rmse(a: torch.Tensor, ref: torch.Tensor) -> float:
-    d = a.double() - ref
-    finite = torch.isfinite(d)
-    if not bool(finite.any()):
-        return 0.0
-    return float(torch.sqrt(torch.mean(d[finite] ** 2)))
-
-
-def check_output(compiled: Any, eager: Any, ref: Any) -> OutputCheck | None:
-    """Verdict of one output (None for outputs that are not tensors, e.g. SymInts)."""
-    if not (isinstance(compiled, torch.Tensor) and isinstance(eager, torch.Tensor) and isinstance(ref, torch.Tensor)):
-        return None
-    ref = ref.detach()
-    if compiled.shape != ref.shape:
-        return OutputCheck(
-            Verdict("fail", None, f"shape {list(compiled.shape)} vs {list(ref.shape)}"),
-            dtype_name(compiled.dtype),
-            compiled.numel(),
-            compare(ref, ref),
-            None,
-            math.nan,
-            math.nan,
-        )
-    c = compiled.detach().to("cpu")
-    e = eager.detach().to("cpu")
-    m = compare(c, ref)
-    if not (c.is_floating_point() or c.is_complex()):
-        mr = compare(e, ref)
-        v = Verdict(
-            "fail" if (m.mismatch_rate or 0) > 0 else "pass",
-            0.0,
-            f"{m.mismatch_rate:.3%} of elements differ" if m.mismatch_rate else None,
-        )
-        return OutputCheck(v, m.dtype, m.numel, m, mr, 0.0, 0.0)
-    mr = compare(e, ref)
-    finite = torch.isfinite(ref)
-    r = ref[finite]
-    rms = float(torch.sqrt(torch.mean(r**2))) if r.numel() else 0.0
-    diff_ref = (c.double() - e.double()).abs()
-    diff_ref = diff_ref[torch.isfinite(diff_ref)]
-    ev = GraphEvidence(
-        dtype=m.dtype,
-        numel=m.numel,
-        rmse=_rmse(c, ref),
-        ref_rmse=_rmse(e, ref),
-        max_diff_ref=float(diff_ref.max()) if diff_ref.numel() else 0.0,
-        scale=float(r.abs().max()) if r.numel() else 0.0,
-        rms=rms,
-        overflow=m.overflow if not mr.overflow else 0,
-        nonfinite_mismatch=m.nonfinite_mismatch if not mr.nonfinite_mismatch else 0,
-    )
-    return OutputCheck(decide_graph(ev), m.dtype, m.numel, m, mr, ev.rmse, ev.ref_rmse)
 
 
 def _short(loc: str | None) -> str | None:

@@ -21,9 +21,10 @@ import torch
 
 from tpudiag.analysis.verdict import is_divergent, op_kind
 from tpudiag.collectors.numerics.compiled import nodes as fx_nodes
-from tpudiag.collectors.numerics.compiled.checker import CompiledChecker, Graph, check_output
+from tpudiag.collectors.numerics.compiled.checker import CompiledChecker, Graph
 from tpudiag.model import OpRecord
 from tpudiag.oracle import graph as graph_oracle
+from tpudiag.oracle.outputs import check_output
 
 MAX_PROBES = 24
 

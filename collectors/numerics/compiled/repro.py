@@ -24,7 +24,7 @@ import pathlib
 
 import torch
 
-from tpudiag.collectors.numerics.compiled.checker import check_output
+from tpudiag.oracle.outputs import check_output
 from tpudiag.oracle import graph as graph_oracle
 
 here = pathlib.Path(__file__).parent
