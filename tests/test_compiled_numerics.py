@@ -362,3 +362,38 @@ def test_seeded_ops_with_zero_dropout_are_checked(tmp_path: Path) -> None:
     assert summary["graphs"] == 2 and summary["graph_checks"] == 1
     assert {o.skip_reason for o in ops if not o.checked} == {"random_ops"}
     assert {d.verdict for d in diffs} == {"pass"}
+
+
+def _bf16_linear(x: Any, w: Any, b: Any = None) -> Any:
+    # What a TPU does by default with an fp32 matmul: one bf16 pass, fp32 accumulation.
+    return torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float(), b)
+
+
+def _bf16_matmul_backend(gm: Any, example_inputs: Any) -> Any:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._nn.linear:
+            n.target = _bf16_linear
+    gm.recompile()
+    return gm.forward
+
+
+@pytest.mark.parametrize("emulations", [(), ("bf16",)])
+def test_bf16_pass_matmuls_are_expected_precision_when_the_run_uses_them(tmp_path: Path, emulations: Any) -> None:
+    def run() -> Any:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Model().eval()
+        with torch.no_grad():
+            return torch.compile(model, backend=_bf16_matmul_backend)(torch.randn(8, 16))
+
+    checker, recorder = _new_checker(tmp_path)
+    checker.ctx.emulations = emulations
+    checker.start()
+    try:
+        run()
+    finally:
+        checker.stop()
+    _, diffs = recorder.drain(True)
+    verdicts = {d.verdict for d in diffs}
+    # Without a reduced-precision unit in the run's settings, bf16 matmuls in a compiled fp32 graph are a finding.
+    assert verdicts == ({"expected_precision"} if emulations else {"fail"})

@@ -246,3 +246,30 @@ def prefix_graph(gm: torch.fx.GraphModule, upto: int) -> tuple[torch.fx.GraphMod
     graph.lint()
     out.recompile()
     return out, [n.name for n in kept]
+
+
+class _Emulate(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Rounds the floating inputs of matmul-like ops as a reduced-precision matmul unit would (bf16 passes, TF32)."""
+
+    def __init__(self, cast: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.cast = cast
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from tpudiag.analysis.verdict import op_kind
+
+        name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+        if op_kind(name) == "matmul" or name.startswith("convolution"):
+            args = tuple(self.cast(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+        return func(*args, **(kwargs or {}))
+
+
+def emulated_replay(
+    gm64: torch.fx.GraphModule, inputs64: Sequence[Any], cast: Callable[[torch.Tensor], torch.Tensor]
+) -> list[Any]:
+    """The float64 graph with its matmul inputs rounded by ``cast`` (what a device running fp32 matmuls at reduced
+    precision computes, up to its own accumulation): a compiled error that matches it is expected precision."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.no_grad(), preserved_rng(), _Emulate(cast):
+        return flat_outputs(gm64(*inputs64))

@@ -85,8 +85,9 @@ def within_floor(compiled: Any, ref: Any) -> bool | None:
     return m.rmse <= tol / 10 * rms
 
 
-def check_output(compiled: Any, eager: Any, ref: Any) -> OutputCheck | None:
-    """Verdict of one output (None for outputs that are not tensors, e.g. SymInts)."""
+def check_output(compiled: Any, eager: Any, ref: Any, emulated: Any = None) -> OutputCheck | None:
+    """Verdict of one output (None for outputs that are not tensors, e.g. SymInts).  ``emulated``: the float64
+    replay with reduced-precision matmul inputs; a compiled error that matches it is ``expected_precision``."""
     if not (isinstance(compiled, torch.Tensor) and isinstance(eager, torch.Tensor) and isinstance(ref, torch.Tensor)):
         return None
     ref = ref.detach()
@@ -131,6 +132,7 @@ def check_output(compiled: Any, eager: Any, ref: Any) -> OutputCheck | None:
         rms=rms,
         overflow=m.overflow if not mr.overflow else 0,
         nonfinite_mismatch=m.nonfinite_mismatch if not mr.nonfinite_mismatch else 0,
+        emulated_rmse=_rmse(emulated, ref) if isinstance(emulated, torch.Tensor) else None,
     )
     verdict = decide_graph(ev)
     if verdict.verdict != "pass":

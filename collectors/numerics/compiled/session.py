@@ -30,6 +30,7 @@ def start(ctx: Any, options: Any, mode: Any, recorder: Any, device_kind: str) ->
                 device_kind=device_kind,
                 run_dir=ctx.run_dir,
                 note=ctx.note,
+                emulations=tuple(getattr(getattr(mode, "ctx", None), "emulations", ()) or ()),
             )
         )
         checker.start()
