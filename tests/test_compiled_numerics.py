@@ -397,3 +397,31 @@ def test_bf16_pass_matmuls_are_expected_precision_when_the_run_uses_them(tmp_pat
     verdicts = {d.verdict for d in diffs}
     # Without a reduced-precision unit in the run's settings, bf16 matmuls in a compiled fp32 graph are a finding.
     assert verdicts == ({"expected_precision"} if emulations else {"fail"})
+
+
+def test_perfetto_export_puts_the_graph_verdict_on_the_compiled_region_span(tmp_path: Path, capsys: Any) -> None:
+    from tests.factories import make_event
+    from tpudiag.cli import main
+    from tpudiag.model import TraceEvent
+
+    store = Store(tmp_path / "s.duckdb")
+    run = make_run(id="run", collectors=["trace", "numerics"])
+    events = [
+        make_event("run", 1, "Torch-Compiled Region: 0/0", 1000, 500, category="user_annotation", module="Model"),
+        make_event("run", 2, "aten::tanh", 1100, 50, module="layers.1"),
+    ]
+    ops = [
+        OpRecord("run", 1, "aten.tanh.default", module="layers.1", checked=True, region="compiled_node",
+                 graph_id="0/0", fx_node="tanh_1"),
+        OpRecord("run", 2, "compiled_graph 0/0", checked=True, region="compiled_graph", graph_id="0/0"),
+    ]  # fmt: skip
+    diffs = [OpDiff("run", 1, 0, "fail", role="originator"), OpDiff("run", 2, 0, "fail")]
+    store_with(store, run, {TraceEvent: events, OpRecord: ops, OpDiff: diffs})
+    assert main(["export", "run", "--db", str(store.path), "--format", "perfetto", "--out", str(tmp_path / "o")]) == 0
+    [path] = [Path(p) for p in capsys.readouterr().out.split()]
+    import json
+
+    spans = {e["name"]: e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"}
+    assert spans["Torch-Compiled Region: 0/0"]["args"]["numerics_verdict"] == "fail"
+    # The node's verdict is not spread onto eager aten::tanh events of the same module.
+    assert "numerics_verdict" not in spans["aten::tanh"]["args"]
