@@ -69,6 +69,10 @@ def first_divergence_fields(first: dict[str, Any], run: dict[str, Any]) -> list[
         ("max abs error", fmt_num(first.get("max_abs"))),
         ("precision", precision_text(run)),
     ]
+    if first.get("region") and first["region"] != "eager_op":
+        # A compiled region (issue 12): which graph, and which FX node of it.
+        where = f"{first['region']} {first.get('graph_id') or '?'}"
+        fields.insert(1, ("region", where + (f", node {first['fx_node']}" if first.get("fx_node") else "")))
     return [{"field": k, "value": str(v)} for k, v in fields]
 
 
@@ -77,6 +81,7 @@ def first_divergence_card(fields: dict[str, str]) -> str:
     return "\n".join(
         [
             f"op      {fields['op']}   ({fields['phase']}, seq {fields['seq']})",
+            *([f"region  {fields['region']}"] if "region" in fields else []),
             f"module  {fields['module']}",
             f"source  {fields['source']}",
             f"dtype   {fields['dtype']} · max abs error {fields['max abs error']}",

@@ -127,6 +127,9 @@ class OpRecord:
     kind: str | None = None  # "elementwise" | "reduction" | "matmul" | "normalization" | "discrete" | "copy"
     calls: int = 1  # >1 for an aggregated row of calls skipped by sampling, filters or budget
     check_ns: int | None = None  # time spent checking this call (oracle, metrics)
+    region: str = "eager_op"  # "eager_op" | "compiled_graph" (a whole torch.compile graph) | "compiled_node"
+    graph_id: str | None = None  # Dynamo compile id ("0/1") of a compiled_graph / compiled_node row
+    fx_node: str | None = None  # FX node name of a compiled_node row
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ class OpDiff:
     emulated_error: float | None = None  # scaled error of an emulated bf16/TF32-input matmul vs the oracle
     precision: str | None = None  # active precision on matmul/conv outputs (JSON)
     repro_path: str | None = None  # saved inputs of a divergent op (tpudiag repro)
+    ref_rmse: float | None = None  # compiled graphs/nodes: RMSE of eager at the device dtype vs float64
 
 
 @dataclass(frozen=True)

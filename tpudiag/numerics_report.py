@@ -53,6 +53,11 @@ def _entry(row: dict[str, Any]) -> dict[str, Any]:
         "kind": row["kind"],
         "note": row["note"],
     }
+    if row.get("region") and row["region"] != "eager_op":
+        entry.update(region=row["region"], graph=row.get("graph_id"), node=row.get("fx_node"))
+        entry["target"] = row.get("target")
+        if row.get("ref_rmse") is not None:
+            metrics["ref_rmse"] = row["ref_rmse"]
     if row.get("precision"):
         entry["precision"] = json.loads(row["precision"])
     if row.get("repro_path"):
@@ -108,6 +113,8 @@ def build_section(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
     coverage["divergent"] = counts
     coverage["sampling"] = settings.get("sampling")
     coverage["compiled_frames"] = settings.get("compiled_frames", 0)
+    if settings.get("compiled"):
+        coverage["compiled_graphs"] = settings["compiled"]
     coverage["seconds_checking"] = settings.get("seconds_checking")
     coverage["script"] = {"status": run.get("status"), "exit_code": run.get("exit_code")}  # a crash cuts checks short
     if coverage["ops_seen"] == 0:
@@ -144,6 +151,11 @@ def _fmt(v: Any) -> str:
 
 def _describe(e: dict[str, Any]) -> str:
     source = e.get("source_short") or e["source"] or "source unknown"
+    if e.get("region") == "compiled_node":
+        return (
+            f"node {e.get('node')} ({e['op']}) of compiled graph {e.get('graph')} in {e['module'] or '(no module)'} "
+            f"({e['phase']}), {source}"
+        )
     return f"seq {e['seq']} {e['op']} in {e['module'] or '(no module)'} ({e['phase']}), {source}"
 
 
@@ -158,12 +170,20 @@ def render_section(section: dict[str, Any]) -> list[str]:
     else:
         m = first["metrics"]
         lines.append(f"  FIRST DIVERGENCE: {_describe(first)}")
-        lines.append(
-            f"    verdict {first['verdict']} ({first['role'] or 'no role'}), {first['dtype']}: scaled error "
-            f"{_fmt(m.get('scaled_error'))} eps (allowed {_fmt(m.get('threshold'))}), max abs "
-            f"{_fmt(m.get('max_abs'))}, max rel {_fmt(m.get('max_rel'))}"
-            + (f"; {first['note']}" if first.get("note") else "")
-        )
+        if first.get("region") in ("compiled_graph", "compiled_node"):
+            lines.append(
+                f"    verdict {first['verdict']} ({first['role'] or 'no role'}), {first['dtype']}: RMSE against the "
+                f"float64 replay {_fmt(m.get('rmse'))} (allowed {_fmt(m.get('threshold'))}; eager at the same dtype "
+                f"{_fmt(m.get('ref_rmse'))}), max abs {_fmt(m.get('max_abs'))}"
+                + (f"; {first['note']}" if first.get("note") else "")
+            )
+        else:
+            lines.append(
+                f"    verdict {first['verdict']} ({first['role'] or 'no role'}), {first['dtype']}: scaled error "
+                f"{_fmt(m.get('scaled_error'))} eps (allowed {_fmt(m.get('threshold'))}), max abs "
+                f"{_fmt(m.get('max_abs'))}, max rel {_fmt(m.get('max_rel'))}"
+                + (f"; {first['note']}" if first.get("note") else "")
+            )
         if first.get("repro"):
             lines.append(f"    reproduce: {first['repro']}")
     if cov.get("warning"):
@@ -175,7 +195,19 @@ def render_section(section: dict[str, Any]) -> list[str]:
     )
     if cov.get("outputs_skipped"):
         lines.append("  outputs not compared: " + ", ".join(f"{k} {v}" for k, v in cov["outputs_skipped"].items()))
-    if cov.get("compiled_frames"):
+    compiled = cov.get("compiled_graphs") or {}
+    if compiled.get("graphs"):
+        graph_cov = (cov.get("by_region") or {}).get("compiled_graph", {})
+        skipped_g = ", ".join(f"{k} {v}" for k, v in (graph_cov.get("skipped") or {}).items()) or "none"
+        lines.append(
+            f"  torch.compile graphs (each replayed on a CPU float64 oracle): {compiled.get('graphs_checked', 0)} of "
+            f"{compiled['graphs']} graphs checked, {compiled.get('graph_checks', 0)} of "
+            f"{compiled.get('graph_calls', 0)} calls; {compiled.get('divergent_graphs', 0)} divergent, "
+            f"{compiled.get('localised', 0)} localised to a node; calls skipped: {skipped_g}"
+        )
+        for repro in compiled.get("repros") or []:
+            lines.append(f"    reproduce: python {repro}/repro.py")
+    elif cov.get("compiled_frames"):
         lines.append(f"  torch.compile: {cov['compiled_frames']} frame(s) compiled normally; fused kernels not checked")
     entries = section["divergent_ops"]
     originators = [e for e in entries if e["role"] == "originator"]

@@ -180,6 +180,9 @@ class NumericsCollector:
             on_divergence=self._announce,
         )
         self._mode = NumericsMode(mctx, options, self._recorder, budget)
+        from tpudiag.collectors.numerics.compiled import session as compiled_session  # issue 12
+
+        self._compiled = compiled_session.start(ctx, options, self._mode, self._recorder, device_kind)
         self._settings = {
             "sampling": {
                 "mode": options.mode,
@@ -240,6 +243,9 @@ class NumericsCollector:
         for (op, phase), n in mode.spent_calls.items():
             self._recorder.aggregate(mode.seq, op, phase, None, "budget", 0.0, None, n)
         mode.spent_calls = {}
+        from tpudiag.collectors.numerics.compiled import session as compiled_session  # issue 12
+
+        self._settings["compiled"] = compiled_session.stop(getattr(self, "_compiled", None))
         self._write(final=True)
         f = self._recorder.findings
         self._settings.update(

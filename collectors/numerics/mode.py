@@ -28,13 +28,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tpudiag import internal_errors
 from tpudiag.analysis.numerics_metrics import OutputMetrics, compare, dtype_name, is_discrete
 from tpudiag.analysis.verdict import DIVERGENT, Evidence, Verdict, decide, eps_of, role
-from tpudiag.collectors.numerics import oracle
-from tpudiag.collectors.numerics.copies import Float64Copies
-from tpudiag.collectors.numerics.oracle import OpPlan
 from tpudiag.collectors.numerics.records import Recorder, describe_inputs
 from tpudiag.collectors.numerics.sampling import Budget, Sampler, SamplingOptions, module_matches, op_matches
 from tpudiag.collectors.numerics.shadow import ShadowStream
 from tpudiag.model import OpDiff, OpRecord
+from tpudiag.oracle import ops as oracle
+from tpudiag.oracle.copies import Float64Copies
+from tpudiag.oracle.ops import OpPlan
 
 DEFAULT_SIZE_CAP = 1 << 24
 _MAX_DESCRIPTIONS = 1 << 16

@@ -460,3 +460,58 @@ def role(local_verdict: str, propagated_divergent: bool) -> str | None:
     if propagated_divergent:
         return "propagator"
     return None
+
+
+# -- compiled graphs: the rule torch._dynamo.utils.same applies against a float64 reference -----------------------
+# Tolerance by output dtype (same()'s default is 1e-4; reduced-precision outputs get the looser tolerances the
+# PyTorch accuracy tooling uses for them).
+GRAPH_TOL = {"float64": 1e-7, "float32": 1e-4, "float16": 1e-3, "bfloat16": 1e-2}
+
+
+def graph_multiplier(dtype: str, numel: int) -> float:
+    """How much worse than eager (at the same dtype) a compiled output may be against float64: same()'s k."""
+    if dtype in ("float16", "bfloat16") or numel < 1000:
+        return 3.0
+    return 2.0
+
+
+@dataclass(frozen=True)
+class GraphEvidence:
+    """One output of a compiled graph: compiled and eager (same dtype) against the float64 replay of the graph."""
+
+    dtype: str
+    numel: int
+    rmse: float  # compiled vs float64
+    ref_rmse: float  # eager at the output dtype vs float64
+    max_diff_ref: float  # max |compiled - eager|
+    scale: float  # max |float64| (finite elements)
+    rms: float  # root mean square of the float64 output
+    overflow: int = 0
+    nonfinite_mismatch: int = 0
+    emulated_rmse: float | None = None  # eager with reduced-precision (bf16/TF32-input) matmuls vs float64
+
+
+def decide_graph(ev: GraphEvidence) -> Verdict:
+    """The verdict for one compiled-graph output (torch._dynamo.utils.same against float64, scale-relative).
+
+    Pass when compiled and eager agree within ``tol`` of the output's scale; otherwise pass iff
+    ``rmse(compiled) <= k * rmse(eager) + tol/10 * rms(float64)``.  same() uses absolute tolerances; scaling them by
+    the output's magnitude keeps the rule the same for outputs of any size.
+    """
+    if ev.overflow:
+        return Verdict(
+            "overflow", None, f"{ev.overflow} element(s) non-finite in the compiled output, finite in float64"
+        )
+    if ev.nonfinite_mismatch:
+        return Verdict("fail", None, f"{ev.nonfinite_mismatch} element(s) disagree about NaN/Inf")
+    tol = GRAPH_TOL.get(ev.dtype, GRAPH_TOL["float32"])
+    k = graph_multiplier(ev.dtype, ev.numel)
+    allowed = k * ev.ref_rmse + tol / 10 * ev.rms
+    rmses = f"RMSE (compiled-fp64) {ev.rmse:.3g}, (eager-fp64) {ev.ref_rmse:.3g}"
+    if ev.max_diff_ref <= tol * ev.scale:
+        return Verdict("pass", allowed, "compiled matches eager within tolerance")
+    if ev.rmse <= allowed:
+        return Verdict("pass", allowed, rmses)
+    if ev.emulated_rmse is not None and ev.rmse <= PRECISION_MATCH_FACTOR * max(ev.emulated_rmse, allowed):
+        return Verdict("expected_precision", allowed, f"{rmses}: matches reduced-precision matmuls")
+    return Verdict("fail", allowed, f"{rmses} > allowed {allowed:.3g} (k={k:g})")

@@ -27,7 +27,7 @@ import torch
 
 from tpudiag.analysis.numerics_metrics import compare
 from tpudiag.analysis.verdict import Evidence, decide, op_kind
-from tpudiag.collectors.numerics import oracle
+from tpudiag.oracle import ops as oracle
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--device", default="{device}")

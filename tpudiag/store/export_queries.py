@@ -136,7 +136,8 @@ def ranks(con: duckdb.DuckDBPyConnection, run_id: str) -> list[int]:
 # "aten.mm.default" (OpOverload) or "aten::mm" (profiler); both are matched to the profiler's "aten::mm".
 _VERDICTS_CTE = """
 verdicts AS (
-    SELECT CASE WHEN contains(o.op, '::') THEN o.op
+    SELECT CASE WHEN o.region = 'compiled_graph' THEN 'Torch-Compiled Region: ' || o.graph_id
+                WHEN contains(o.op, '::') THEN o.op
                 ELSE regexp_replace(o.op, '^([A-Za-z0-9_]+)\\.([A-Za-z0-9_]+).*$', '\\1::\\2') END AS op_name,
            o.module AS op_module,
            arg_max(d.verdict, CASE d.verdict WHEN 'fail' THEN 4 WHEN 'overflow' THEN 3
@@ -145,7 +146,8 @@ verdicts AS (
            count(*) FILTER (WHERE d.verdict IN ('fail', 'overflow')) AS failed_outputs,
            max(d.scaled_error) AS worst_scaled_error
     FROM ops o JOIN op_diffs d ON d.run_id = o.run_id AND d.seq = o.seq
-    WHERE o.run_id = $1
+    -- A compiled graph's verdict goes on the profiler's "Torch-Compiled Region: <id>" span; its nodes have none.
+    WHERE o.run_id = $1 AND coalesce(o.region, 'eager_op') <> 'compiled_node'
     GROUP BY ALL
 )"""
 
@@ -201,8 +203,9 @@ def chrome_event_json(con: duckdb.DuckDBPyConnection, run_id: str, origin_ns: in
                '"name":' || to_json(k.name) || ',"cat":' || to_json(k.category) AS head,
                nullif(concat_ws(',', {key_args}), '') AS key_args
         FROM (SELECT DISTINCT name, category, module, coalesce(module, chr(0)) AS module_key FROM ev) k
-        LEFT JOIN verdicts v ON v.op_name = k.name AND v.op_module IS NOT DISTINCT FROM k.module
-                             AND k.category = 'cpu_op'
+        LEFT JOIN verdicts v ON v.op_name = k.name
+                             AND ((v.op_module IS NOT DISTINCT FROM k.module AND k.category = 'cpu_op')
+                                  OR (starts_with(k.name, 'Torch-Compiled Region: ') AND v.op_module IS NULL))
     )
     SELECT '{{"ph":"X",' || k.head
            || ',"pid":' || t.pid || ',"tid":' || t.tid

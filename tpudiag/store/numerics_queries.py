@@ -55,7 +55,9 @@ def coverage(store: Store, run_id: str) -> dict[str, Any]:
         verdicts[verdict] = verdicts.get(verdict, 0) + int(n)
         if verdict == "skip":
             outputs_skipped[reason or "unknown"] = outputs_skipped.get(reason or "unknown", 0) + int(n)
+    by_region = coverage_by_region(store, run_id)
     return {
+        "by_region": by_region,
         "ops_seen": seen,
         "ops_checked": checked,
         "skipped": dict(sorted(skipped.items(), key=lambda kv: -kv[1])),
@@ -75,7 +77,8 @@ def divergent_outputs(store: Store, run_id: str, limit: int | None = None) -> li
                d.output_index, d.verdict, d.role, d.dtype, d.numel, d.max_abs, d.max_rel, d.mean_abs, d.rmse,
                d.cosine, d.max_ulp, d.mean_ulp, d.scaled_error, d.ref_scaled_error, d.propagated_error,
                d.threshold, d.nan_device, d.inf_device, d.nan_oracle, d.inf_oracle, d.mismatch_rate, d.note,
-               d.emulated_error, d.precision, d.repro_path
+               d.emulated_error, d.precision, d.repro_path, o.region, o.graph_id, o.fx_node, o.overload AS target,
+               d.ref_rmse
         FROM op_diffs d JOIN ops o ON o.run_id = d.run_id AND o.seq = d.seq AND o.checked
         WHERE d.run_id = ? AND (d.role IS NOT NULL OR list_contains(?, d.verdict))
         ORDER BY o.seq, d.output_index
@@ -111,3 +114,38 @@ def op_detail(store: Store, run_id: str, seq: int) -> dict[str, Any] | None:
             r.execute("SELECT * FROM op_diffs WHERE run_id = ? AND seq = ? ORDER BY output_index", [run_id, seq])
         )
     return {**ops[0], "outputs": diffs}
+
+
+def coverage_by_region(store: Store, run_id: str) -> dict[str, dict[str, Any]]:
+    """Calls seen, checked and skipped by reason per region: eager ops, compiled graphs, compiled nodes."""
+    with store.reader() as r:
+        rows = r.execute(
+            """
+            SELECT coalesce(region, 'eager_op') AS region, checked, coalesce(skip_reason, '') AS reason,
+                   sum(calls) AS calls, count(DISTINCT graph_id) AS graphs
+            FROM ops WHERE run_id = ? GROUP BY ALL ORDER BY ALL
+            """,
+            [run_id],
+        ).fetchall()
+        divergent = r.execute(
+            """
+            SELECT coalesce(o.region, 'eager_op'), count(DISTINCT o.seq), count(DISTINCT o.graph_id)
+            FROM op_diffs d JOIN ops o ON o.run_id = d.run_id AND o.seq = d.seq AND o.checked
+            WHERE d.run_id = ? AND list_contains(['fail', 'overflow'], d.verdict) GROUP BY ALL
+            """,
+            [run_id],
+        ).fetchall()
+    out: dict[str, dict[str, Any]] = {}
+    for region, is_checked, reason, calls, _graphs in rows:
+        entry = out.setdefault(region, {"seen": 0, "checked": 0, "skipped": {}, "divergent": 0})
+        entry["seen"] += int(calls)
+        if is_checked:
+            entry["checked"] += int(calls)
+        else:
+            entry["skipped"][reason or "unknown"] = entry["skipped"].get(reason or "unknown", 0) + int(calls)
+    for region, calls, graphs in divergent:
+        entry = out.setdefault(region, {"seen": 0, "checked": 0, "skipped": {}, "divergent": 0})
+        entry["divergent"] = int(calls)
+        if region != "eager_op":
+            entry["divergent_graphs"] = int(graphs)
+    return out

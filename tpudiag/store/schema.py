@@ -11,7 +11,7 @@ from typing import Any
 
 from tpudiag.model import BULK_TABLES, Run, column_kinds
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _DUCK_TYPES = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "str": "VARCHAR"}
 
@@ -42,4 +42,12 @@ def ddl() -> list[str]:
 
 
 # version N -> callable(connection) that brings a version-N store to N+1.
-MIGRATIONS: dict[int, Callable[[Any], None]] = {}
+def _v1_to_v2(con: Any) -> None:
+    """Compiled-region numerics: which region an ops row is from, its graph and node; eager error of a graph."""
+    con.execute("ALTER TABLE ops ADD COLUMN IF NOT EXISTS region VARCHAR DEFAULT 'eager_op'")
+    con.execute("ALTER TABLE ops ADD COLUMN IF NOT EXISTS graph_id VARCHAR")
+    con.execute("ALTER TABLE ops ADD COLUMN IF NOT EXISTS fx_node VARCHAR")
+    con.execute("ALTER TABLE op_diffs ADD COLUMN IF NOT EXISTS ref_rmse DOUBLE")
+
+
+MIGRATIONS: dict[int, Callable[[Any], None]] = {1: _v1_to_v2}

@@ -8,7 +8,10 @@ from typing import Any
 from tpudiag.store.dashboard_queries.session import FAIL_VERDICTS, Session
 from tpudiag.store.database import Store
 
-_OP_COLUMNS = "d.seq, o.op, o.overload, o.module, o.phase, o.source_loc, o.step, o.dtypes, o.shapes, o.device"
+_OP_COLUMNS = (
+    "d.seq, o.op, o.overload, o.module, o.phase, o.source_loc, o.step, o.dtypes, o.shapes, o.device, "
+    "o.region, o.graph_id, o.fx_node"
+)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tpudiag.analysis.verdict import op_kind
-from tpudiag.collectors.numerics.copies import Float64Copies
+from tpudiag.oracle.copies import Float64Copies
 
 UNINITIALIZED = {
     "empty",

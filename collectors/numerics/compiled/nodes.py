@@ -1,0 +1,69 @@
+"""What an FX node of a Dynamo graph says about the user's code: module path, source line, the op it calls."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+_ITEM = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def module_path(fx_path: str) -> str:
+    """``L['self'].layers[1].act`` / ``L['s']._modules['b']`` -> ``layers.1.act`` / ``b``."""
+    path = _ROOT.sub("", fx_path)
+    path = path.replace("._modules", "").replace("_modules", "")
+    path = _ITEM.sub(lambda m: "." + (m.group(1) or m.group(2)), path)
+    return path.strip(".")
+
+
+def module_of(node: Any) -> str | None:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    last = list(stack.values())[-1]
+    fx_path = last[0] if isinstance(last, tuple) else str(last)
+    return module_path(fx_path) or None
+
+
+def source_of(node: Any) -> str | None:
+    """``file:line`` of the innermost user frame in the node's stack trace."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    frames = _FRAME.findall(trace)
+    if not frames:
+        return None
+    path, line = frames[-1]
+    try:
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    except ValueError:
+        pass
+    return f"{path}:{line}"
+
+
+def source_text(node: Any) -> str | None:
+    """The user's source line of the node (the line after the innermost ``File ...`` entry)."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln for ln in trace.splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if _FRAME.search(lines[i]) and i + 1 < len(lines):
+            return lines[i + 1].strip()
+    return None
+
+
+def target_name(node: Any) -> str:
+    """``torch.tanh``, ``torch.nn.functional.layer_norm``, ``Tensor.sum``."""
+    t = node.target
+    if node.op == "call_method":
+        return f"Tensor.{t}"
+    if node.op == "call_module":
+        return str(t)
+    module = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
+    if module.startswith("torch._C") or not module:
+        module = "torch"
+    return f"{module}.{name}" if not str(name).startswith(module) else str(name)

@@ -1,0 +1,65 @@
+"""Rows of a compiled region's backward check (the forward rows are written by ``checker``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from tpudiag.analysis.verdict import is_divergent
+from tpudiag.model import OpRecord
+
+
+def backward_rows(checker: Any, g: Any, checks: list[tuple[int, Any]]) -> None:
+    """One ``ops`` row for the region's backward, one ``op_diffs`` row per input gradient (output_index = the
+    graph input it belongs to)."""
+    if not checks:
+        return
+    ctx = checker.ctx
+    seq = ctx.next_seq()
+    sources = g.info.sources
+    record = OpRecord(
+        run_id=ctx.run_id,
+        seq=seq,
+        op=f"compiled_graph {g.info.compile_id}",
+        overload=g.info.backend,
+        phase="backward",
+        source_loc=g.info.frame,
+        dtypes=json.dumps([ck.dtype for _, ck in checks[:64]], separators=(",", ":")),
+        checked=True,
+        kind="graph",
+        region="compiled_graph",
+        graph_id=g.info.compile_id,
+    )
+    names = [_param_name(sources[i]) if i < len(sources) else str(i) for i, _ in checks]
+    diffs = [
+        dataclasses.replace(d, note=f"gradient of {name}" + (f": {d.note}" if d.note else ""))
+        for d, name in zip((ck.diff(ctx.run_id, seq, i) for i, ck in checks), names, strict=True)
+    ]
+    rec = ctx.recorder
+    rec.op(record)
+    rec.diffs(diffs)
+    rec.findings.seen += 1
+    rec.findings.checked += 1
+    g.backward_checks += 1
+    bad = [(i, ck) for i, ck in checks if is_divergent(ck.verdict.verdict)]
+    if bad:
+        rec.findings.divergent += 1
+        g.backward_divergent += 1
+        shown = ", ".join(_param_name(sources[i]) if i < len(sources) else str(i) for i, _ in bad[:3])
+        sys.stderr.write(
+            f"tpudiag: numerics: the backward of compiled graph {g.info.compile_id} ({g.info.backend}) diverges from "
+            f"its float64 replay (gradients of {shown}{', ...' if len(bad) > 3 else ''})\n"
+        )
+        sys.stderr.flush()
+
+
+def _param_name(source: str | None) -> str:
+    """``L['self']._modules['layers']._modules['0']._parameters['weight']`` -> ``layers.0.weight``."""
+    if not source:
+        return "?"
+    from tpudiag.collectors.numerics.compiled.nodes import module_path
+
+    path = module_path(source.replace("._parameters", "").replace("._buffers", ""))
+    return path or source.removeprefix("L['").removesuffix("']")

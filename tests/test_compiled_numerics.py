@@ -1,0 +1,427 @@
+"""Numerics inside torch.compile regions: real torch.compile, real backends, a miscompile planted for real.
+
+The planted miscompile is an AOTAutograd backend whose forward compiler scales the ``aten.tanh`` of ``layers.1``
+by 1.003 (the float64 replay of the Dynamo graph and the eager reference do not go through it).  The checker must
+flag the graph, localise it to exactly that node (op, module path, source line) as the only originator, and leave
+the script's results bitwise identical and Dynamo's counters unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+from tests.factories import make_run, store_with  # noqa: E402
+from tpudiag import numerics_report  # noqa: E402
+from tpudiag.collectors.numerics.compiled import intercept  # noqa: E402
+from tpudiag.collectors.numerics.compiled.checker import CheckerContext, CompiledChecker  # noqa: E402
+from tpudiag.collectors.numerics.records import Recorder  # noqa: E402
+from tpudiag.collectors.numerics.sampling import Budget, SamplingOptions  # noqa: E402
+from tpudiag.model import OpDiff, OpRecord  # noqa: E402
+from tpudiag.oracle import graph as graph_oracle  # noqa: E402
+from tpudiag.store import Store  # noqa: E402
+
+TANH_LINE = 0  # set below from the source
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.ln = torch.nn.LayerNorm(d)
+
+    def forward(self, x: Any) -> Any:
+        return torch.tanh(self.ln(self.fc(x))) + x  # the planted node
+
+
+class Model(torch.nn.Module):
+    def __init__(self, d: int = 16, dropout: float = 0.0, bn: bool = False) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Block(d) for _ in range(3)])
+        self.drop = torch.nn.Dropout(dropout)
+        self.bn = torch.nn.BatchNorm1d(d) if bn else torch.nn.Identity()
+        self.head = torch.nn.Linear(d, 4)
+
+    def forward(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.bn(self.drop(x)))
+
+
+TANH_LINE = next(
+    i
+    for i, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+    if line.strip().endswith("# the planted node")
+)
+
+
+def _planted_fw(gm: Any, example_inputs: Any) -> Any:
+    for n in list(gm.graph.nodes):
+        stack = str(n.meta.get("nn_module_stack", ""))
+        if n.op == "call_function" and n.target is torch.ops.aten.tanh.default and "layers.1" in stack:
+            with gm.graph.inserting_after(n):
+                m = gm.graph.call_function(torch.ops.aten.mul.Tensor, (n, 1.003))
+            n.replace_all_uses_with(m)
+            m.args = (n, 1.003)
+    gm.recompile()
+    return gm
+
+
+def _planted_bw(gm: Any, example_inputs: Any) -> Any:
+    """A backward miscompile: the first tanh_backward of the backward graph scaled by 1.003."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.tanh_backward.default:
+            with gm.graph.inserting_after(n):
+                m = gm.graph.call_function(torch.ops.aten.mul.Tensor, (n, 1.003))
+            n.replace_all_uses_with(m)
+            m.args = (n, 1.003)
+            break
+    gm.recompile()
+    return gm
+
+
+PLANTED = aot_autograd(fw_compiler=_planted_fw)
+PLANTED_BW = aot_autograd(fw_compiler=lambda gm, example_inputs: gm, bw_compiler=_planted_bw)
+
+
+def _new_checker(tmp_path: Path, **options: Any) -> tuple[CompiledChecker, Recorder]:
+    recorder = Recorder("run", None)
+    seq = [0]
+
+    def next_seq() -> int:
+        seq[0] += 1
+        return seq[0]
+
+    notes: list[str] = []
+    ctx = CheckerContext(
+        run_id="run",
+        recorder=recorder,
+        options=SamplingOptions(**options),
+        budget=Budget(None),
+        started=time.perf_counter(),
+        next_seq=next_seq,
+        run_dir=tmp_path,
+        note=notes.append,
+    )
+    checker = CompiledChecker(ctx)
+    checker.notes = notes  # type: ignore[attr-defined]
+    return checker, recorder
+
+
+def _train(backend: Any, steps: int = 4, dropout: float = 0.0, bn: bool = False, dynamic: bool | None = None) -> Any:
+    """A small compiled training loop; returns (losses, final parameters, buffers, counters)."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Model(dropout=dropout, bn=bn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(8 + (2 * step if dynamic else 0), 16)
+        loss = compiled(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, state, {k: dict(v) for k, v in counters.items()}, torch.rand(3)
+
+
+def _checked(tmp_path: Path, fn: Any, **options: Any) -> tuple[Any, dict[str, Any], list[OpRecord], list[OpDiff]]:
+    checker, recorder = _new_checker(tmp_path, **options)
+    checker.start()
+    try:
+        result = fn()
+    finally:
+        summary = checker.stop()
+    ops, diffs = recorder.drain(True)
+    summary["notes"] = checker.notes  # type: ignore[attr-defined]
+    return result, summary, ops, diffs
+
+
+def _same(a: Any, b: Any) -> None:
+    losses_a, state_a, counters_a, rng_a = a
+    losses_b, state_b, counters_b, rng_b = b
+    assert all(torch.equal(x, y) for x, y in zip(losses_a, losses_b, strict=True))
+    assert state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert counters_a == counters_b
+    assert torch.equal(rng_a, rng_b)  # the RNG stream after the run is the same: replays did not consume it
+
+
+def test_planted_miscompile_is_named_exactly_as_the_only_originator(tmp_path: Path) -> None:
+    plain = _train(PLANTED)
+    checked, summary, ops, diffs = _checked(tmp_path, lambda: _train(PLANTED))
+    _same(plain, checked)
+
+    graph_rows = [o for o in ops if o.region == "compiled_graph" and o.checked and o.phase == "forward"]
+    assert graph_rows and all(o.graph_id == "0/0" for o in graph_rows)
+    graph_seqs = {o.seq for o in graph_rows}
+    assert {d.verdict for d in diffs if d.seq in graph_seqs} == {"fail"}
+    originators = [d for d in diffs if d.role == "originator"]
+    assert len(originators) == 1
+    node = next(o for o in ops if o.seq == originators[0].seq)
+    assert node.region == "compiled_node" and node.fx_node is not None
+    assert node.op == "aten.tanh.default"
+    assert node.module == "layers.1"
+    assert node.source_loc is not None and node.source_loc.endswith(f"test_compiled_numerics.py:{TANH_LINE}")
+    assert "torch.tanh(self.ln(self.fc(x)))" in (originators[0].note or "")
+    # The node row comes first in execution order: it is the report's first divergence.
+    assert node.seq < min(graph_seqs)
+    assert summary["divergent_graphs"] == 1 and summary["localised"] == 1
+    # A repro bundle per failing graph, runnable with any backend: the clean aot_eager compile passes.
+    (repro,) = summary["repros"]
+    proc = subprocess.run(
+        [sys.executable, str(Path(repro) / "repro.py"), "--backend", "aot_eager"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "RMSE compiled-fp64" in proc.stdout and proc.stdout.strip().endswith("verdict: pass")
+
+
+def test_clean_aot_eager_compile_has_no_divergent_graph(tmp_path: Path) -> None:
+    plain = _train("aot_eager", bn=True)
+    checked, summary, ops, diffs = _checked(tmp_path, lambda: _train("aot_eager", bn=True))
+    _same(plain, checked)  # batch-norm statistics the graph mutates: only the clones were touched by replays
+    assert summary["graph_checks"] == 3 and summary["divergent_graphs"] == 0
+    assert summary["backward_checks"] == 3 and summary["divergent_backward_graphs"] == 0
+    backward = {o.seq for o in ops if o.phase == "backward" and o.checked}
+    assert len(backward) == 3 and len({d.seq for d in diffs} & backward) == 3
+    assert diffs and {d.verdict for d in diffs} == {"pass"}
+    assert not [d for d in diffs if d.role]
+    sampled = [o for o in ops if o.skip_reason == "sampled"]
+    assert sum(o.calls for o in sampled) == 1  # 4 calls: first 3 checked, the 4th sampled out
+
+
+def test_random_ops_make_a_graph_unverifiable_and_leave_the_rng_alone(tmp_path: Path) -> None:
+    plain = _train("aot_eager", dropout=0.25)
+    checked, _, ops, diffs = _checked(tmp_path, lambda: _train("aot_eager", dropout=0.25))
+    _same(plain, checked)
+    reasons = {o.skip_reason: o.calls for o in ops if not o.checked}
+    assert reasons == {"random_ops": 4} and not diffs
+
+
+def test_graph_breaks_dynamic_shapes_and_recompiles_are_all_checked(tmp_path: Path) -> None:
+    def f(x: Any, w: Any) -> Any:
+        y = torch.tanh(x @ w)
+        torch._dynamo.graph_break()
+        return torch.softmax(y * 2, dim=-1)
+
+    def run(dynamic: bool | None) -> Any:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        w = torch.randn(8, 8)
+        g = torch.compile(f, backend="eager", dynamic=dynamic)
+        outs = [g(torch.randn(n, 8), w) for n in (4, 6, 6, 9)]
+        return outs, {k: dict(v) for k, v in counters.items()}
+
+    for dynamic in (True, None):
+        plain_outs, plain_counters = run(dynamic)
+        (outs, got_counters), summary, ops, diffs = _checked(tmp_path, lambda d=dynamic: run(d))
+        assert all(torch.equal(a, b) for a, b in zip(plain_outs, outs, strict=True))
+        assert got_counters == plain_counters
+        graphs = {o.graph_id for o in ops if o.region == "compiled_graph" and o.checked}
+        if dynamic:
+            # Both sides of the break, each with 3 distinct sizes (SymInt inputs): every new size is checked.
+            assert len(graphs) == 2 and summary["graph_checks"] == 8
+        else:
+            # Static: a recompile for each new size (automatic dynamic after the first), both sides of the break.
+            assert len(graphs) >= 4 and summary["graph_checks"] == summary["graph_calls"]
+        assert {d.verdict for d in diffs} == {"pass"} and summary["divergent_graphs"] == 0
+
+
+def test_checker_failures_are_recorded_and_the_script_goes_on(tmp_path: Path, monkeypatch: Any) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("checker bug")
+
+    plain = _train("aot_eager", steps=2)
+    monkeypatch.setattr(graph_oracle, "replay", broken)
+    checked, summary, ops, _ = _checked(tmp_path, lambda: _train("aot_eager", steps=2))
+    _same(plain, checked)
+    assert {o.skip_reason: o.calls for o in ops if not o.checked} == {"tpudiag_error": 2}
+    assert summary["errors"] and "checker bug" in summary["errors"][0]
+
+
+def test_unsupported_torch_falls_back_to_not_checking(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(intercept, "MIN_TORCH", (99, 0))
+    from torch._dynamo.output_graph import OutputGraph
+
+    before = OutputGraph.call_user_compiler
+    _, summary, _, _ = _checked(tmp_path, lambda: _train("aot_eager", steps=1))
+    assert OutputGraph.call_user_compiler is before
+    assert summary["graphs"] == 0 and "older than 99.0" in summary["unsupported"]
+    assert any("compiled regions are not checked" in n for n in summary["notes"])
+
+
+def test_compiled_rows_in_the_store_and_the_report(tmp_path: Path) -> None:
+    _, summary, ops, diffs = _checked(tmp_path, lambda: _train(PLANTED, steps=2))
+    store = Store(tmp_path / "s.duckdb")
+    run = make_run(id="run", collectors=["numerics"], artifacts_dir=str(tmp_path))
+    (tmp_path / "numerics").mkdir(exist_ok=True)
+    import json
+
+    (tmp_path / "numerics" / "settings.json").write_text(json.dumps({"compiled": summary}))
+    store_with(store, run, {OpRecord: ops, OpDiff: diffs})
+    section = numerics_report.build_section(
+        store, {"id": "run", "collectors": ["numerics"], "artifacts_dir": str(tmp_path)}
+    )
+    assert section is not None
+    first = section["first_divergence"]
+    assert first["region"] == "compiled_node" and first["op"] == "aten.tanh.default" and first["module"] == "layers.1"
+    by_region = section["coverage"]["by_region"]
+    # Two calls checked, forward and backward each; the backward of the forward miscompile is right.
+    assert by_region["compiled_graph"]["checked"] == 4 and by_region["compiled_graph"]["divergent_graphs"] == 1
+    text = "\n".join(numerics_report.render_section(section))
+    assert "FIRST DIVERGENCE: node " in text and "of compiled graph 0/0 in layers.1" in text
+    assert "1 divergent, 1 localised to a node" in text
+    # The dashboard's Numerics page reads the same rows.
+    from tpudiag.app.numerics import first_divergence_fields
+    from tpudiag.store import dashboard_queries
+
+    view = dashboard_queries.load_numerics(store, "run")
+    fields = {f["field"]: f["value"] for f in first_divergence_fields(view.first_divergence, {"precision": {}})}
+    assert fields["op"] == "aten.tanh.default" and fields["region"].startswith("compiled_node 0/0, node tanh")
+
+
+def test_float64_rewrite_of_casts_devices_and_autocast() -> None:
+    def f(x: Any) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = x @ x
+        z = y.to(torch.float16).float() + torch.ones(3, dtype=torch.float32, device="cpu")
+        return z.half()
+
+    graphs: list[Any] = []
+
+    def grab(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(copy.deepcopy(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(3, 3)
+    torch.compile(f, backend=grab)(x)
+    fp64 = graph_oracle.to_float64_graph(graphs[0])
+    (out,) = graph_oracle.replay(fp64, graph_oracle.float64_inputs([x])).outputs
+    assert out.dtype == torch.float64
+    assert torch.allclose(out, x.double() @ x.double() + 1, rtol=1e-12, atol=1e-12)
+    assert graphs[0].code != fp64.code  # the original copy is left as Dynamo made it
+
+
+def test_planted_backward_miscompile_fails_the_gradients_only(tmp_path: Path) -> None:
+    plain = _train(PLANTED_BW)
+    checked, summary, ops, diffs = _checked(tmp_path, lambda: _train(PLANTED_BW))
+    _same(plain, checked)  # the backward hook only reads: .grad and the optimizer steps are bitwise the same
+    phase = {o.seq: o.phase for o in ops if o.checked}
+    forward = [d for d in diffs if phase[d.seq] == "forward"]
+    backward = [d for d in diffs if phase[d.seq] == "backward"]
+    assert forward and {d.verdict for d in forward} == {"pass"}
+    assert summary["divergent_graphs"] == 0 and summary["divergent_backward_graphs"] == 1
+    failing = {(d.note or "").split(":")[0] for d in backward if d.verdict == "fail"}
+    # Gradients of everything before the miscompiled tanh_backward (the last block's tanh) are off; the head's
+    # gradients, computed before it in the backward, are not.
+    assert "gradient of layers.0.fc.weight" in failing
+    assert "gradient of head.weight" not in failing and "gradient of head.bias" not in failing
+    assert "gradient of layers.2.fc.weight" in failing
+
+
+def test_clean_inductor_compile_has_no_divergent_graph(tmp_path: Path) -> None:
+    # Inductor's fused C++ kernels (layer norm + tanh + add, the backward's reductions) against float64: the one
+    # backend whose kernels the eager checker cannot see at all.
+    _train("inductor", steps=1)  # warms Inductor's caches: both runs below then hit them alike (same counters)
+    plain = _train("inductor", steps=3)
+    checked, summary, _, diffs = _checked(tmp_path, lambda: _train("inductor", steps=3))
+    _same(plain, checked)
+    assert summary["graph_checks"] == 3 and summary["backward_checks"] == 3
+    assert diffs and {d.verdict for d in diffs} == {"pass"} and summary["divergent_graphs"] == 0
+
+
+def test_seeded_ops_with_zero_dropout_are_checked(tmp_path: Path) -> None:
+    # CPU attention kernels carry the nondeterministic_seeded tag for their dropout_p; at 0 they draw nothing.
+    def attend(q: Any, p: float) -> Any:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=p)
+
+    def run() -> Any:
+        torch._dynamo.reset()
+        q = torch.randn(2, 4, 8, 16)
+        return torch.compile(attend, backend="eager")(q, 0.0), torch.compile(attend, backend="eager")(q, 0.5)
+
+    _, summary, ops, diffs = _checked(tmp_path, run)
+    assert summary["graphs"] == 2 and summary["graph_checks"] == 1
+    assert {o.skip_reason for o in ops if not o.checked} == {"random_ops"}
+    assert {d.verdict for d in diffs} == {"pass"}
+
+
+def _bf16_linear(x: Any, w: Any, b: Any = None) -> Any:
+    # What a TPU does by default with an fp32 matmul: one bf16 pass, fp32 accumulation.
+    return torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float(), b)
+
+
+def _bf16_matmul_backend(gm: Any, example_inputs: Any) -> Any:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._nn.linear:
+            n.target = _bf16_linear
+    gm.recompile()
+    return gm.forward
+
+
+@pytest.mark.parametrize("emulations", [(), ("bf16",)])
+def test_bf16_pass_matmuls_are_expected_precision_when_the_run_uses_them(tmp_path: Path, emulations: Any) -> None:
+    def run() -> Any:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Model().eval()
+        with torch.no_grad():
+            return torch.compile(model, backend=_bf16_matmul_backend)(torch.randn(8, 16))
+
+    checker, recorder = _new_checker(tmp_path)
+    checker.ctx.emulations = emulations
+    checker.start()
+    try:
+        run()
+    finally:
+        checker.stop()
+    _, diffs = recorder.drain(True)
+    verdicts = {d.verdict for d in diffs}
+    # Without a reduced-precision unit in the run's settings, bf16 matmuls in a compiled fp32 graph are a finding.
+    assert verdicts == ({"expected_precision"} if emulations else {"fail"})
+
+
+def test_perfetto_export_puts_the_graph_verdict_on_the_compiled_region_span(tmp_path: Path, capsys: Any) -> None:
+    from tests.factories import make_event
+    from tpudiag.cli import main
+    from tpudiag.model import TraceEvent
+
+    store = Store(tmp_path / "s.duckdb")
+    run = make_run(id="run", collectors=["trace", "numerics"])
+    events = [
+        make_event("run", 1, "Torch-Compiled Region: 0/0", 1000, 500, category="user_annotation", module="Model"),
+        make_event("run", 2, "aten::tanh", 1100, 50, module="layers.1"),
+    ]
+    ops = [
+        OpRecord("run", 1, "aten.tanh.default", module="layers.1", checked=True, region="compiled_node",
+                 graph_id="0/0", fx_node="tanh_1"),
+        OpRecord("run", 2, "compiled_graph 0/0", checked=True, region="compiled_graph", graph_id="0/0"),
+    ]  # fmt: skip
+    diffs = [OpDiff("run", 1, 0, "fail", role="originator"), OpDiff("run", 2, 0, "fail")]
+    store_with(store, run, {TraceEvent: events, OpRecord: ops, OpDiff: diffs})
+    assert main(["export", "run", "--db", str(store.path), "--format", "perfetto", "--out", str(tmp_path / "o")]) == 0
+    [path] = [Path(p) for p in capsys.readouterr().out.split()]
+    import json
+
+    spans = {e["name"]: e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"}
+    assert spans["Torch-Compiled Region: 0/0"]["args"]["numerics_verdict"] == "fail"
+    # The node's verdict is not spread onto eager aten::tanh events of the same module.
+    assert "numerics_verdict" not in spans["aten::tanh"]["args"]
