@@ -288,7 +288,13 @@ class NumericsCollector:
                 f"numerics: --budget {self._mode.budget.pct:g}% ran out {st.budget_detaches} time(s) inside a step; "
                 "the checker left at the next module boundary (ops after that in the step are counted as 'budget')"
             )
-        if self._compiles:
+        compiled = self._settings.get("compiled") or {}
+        if self._compiles and compiled.get("graphs"):
+            self._ctx.note(
+                f"numerics: {self._compiles} torch.compile frame(s); {compiled.get('graphs_checked', 0)} of "
+                f"{compiled['graphs']} compiled graph(s) checked as whole regions against a float64 replay"
+            )
+        elif self._compiles:
             self._ctx.note(
                 f"numerics: {self._compiles} torch.compile frame(s) compiled normally; their fused kernels are "
                 "not checked (aten ops they call are)"

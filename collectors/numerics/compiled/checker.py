@@ -135,7 +135,10 @@ class CompiledChecker:
 
     # -- interception -----------------------------------------------------------------------------------------
     def _on_error(self, where: str, exc: BaseException) -> None:
+        from tpudiag import internal_errors
+
         self.errors.append(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        internal_errors.current().record("numerics (compiled)", where, exc)
 
     def _on_graph(self, info: GraphInfo, compiled: Any) -> Any:
         g = Graph(info)
