@@ -115,3 +115,17 @@ def test_numerics_collector_runs_one_progress_thread(tmp_path: Path) -> None:
     proc = run_tpudiag("capture", "--db", str(db), "--collect", "numerics", str(script), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "progress threads 1\n" in proc.stdout, proc.stdout
+
+
+def test_only_the_status_line_module_rewrites_stderr_in_place() -> None:
+    """One progress line: the erase-to-end-of-line sequence appears in tpudiag/progress.py and nowhere else."""
+    repo = Path(__file__).resolve().parents[1]
+    writers = sorted(
+        str(p.relative_to(repo))
+        for folder in ("tpudiag", "collectors", "app")
+        for p in (repo / folder).rglob("*.py")
+        if not p.is_relative_to(repo / "tpudiag" / "collectors")
+        and not p.is_relative_to(repo / "tpudiag" / "app")
+        and ("\\x1b[K" in p.read_text() or "\\033[K" in p.read_text())
+    )
+    assert writers == ["tpudiag/progress.py"]

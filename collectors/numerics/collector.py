@@ -490,25 +490,23 @@ class NumericsCollector:
             sys.stderr.flush()
 
     def _progress_loop(self) -> None:
-        tty = sys.stderr.isatty()
-        interval = PROGRESS_INTERVAL_TTY_S if tty else PROGRESS_INTERVAL_PIPE_S
+        from tpudiag.progress import StatusLine
+
+        self._status = status = StatusLine(interval_s=0.0)
+        interval = PROGRESS_INTERVAL_TTY_S if status.tty else PROGRESS_INTERVAL_PIPE_S
         while not self._progress_stop.wait(interval):
             f = self._recorder.findings
-            line = (
-                f"tpudiag numerics: {f.seen:,} ops seen, {f.checked:,} checked, {f.originators} originator(s), "
-                f"{f.divergent} divergent"
-            )
             with contextlib.suppress(Exception):
-                if tty:
-                    sys.stderr.write("\r" + line[:120] + "\033[K")
-                else:
-                    sys.stderr.write(line + "\n")
-                sys.stderr.flush()
+                status(
+                    f"numerics: {f.seen:,} ops seen, {f.checked:,} checked, {f.originators} originator(s), "
+                    f"{f.divergent} divergent"
+                )
 
     def _clear_progress(self) -> None:
-        if sys.stderr.isatty():
+        status = getattr(self, "_status", None)
+        if status is not None:
             with contextlib.suppress(Exception):
-                sys.stderr.write("\r\033[K")
+                status.done()
 
     def _register_compile_callback(self) -> None:
         with contextlib.suppress(Exception):
