@@ -76,7 +76,31 @@ def test_every_report_section_is_built_into_the_report_and_rendered(tmp_path: Pa
             CompileEvent: [CompileEvent(rid, 0, "compile", function="f", file="a.py", line=3, duration_s=0.5)]
         },
     }
-    assert set(SECTIONS) == set(records), "a new report section needs a case here"
+    from tests.factories import make_event
+    from tests.test_distributed_store import build as build_distributed_run
+    from tpudiag.model import TraceEvent
+    from tpudiag.store.hlo_queries import XLA_OP_CATEGORY
+
+    records["hlo_ops"] = lambda rid: {
+        TraceEvent: [
+            make_event(
+                rid,
+                0,
+                "fusion.1",
+                0,
+                5_000,
+                source="xplane",
+                process="/device:TPU:0",
+                thread="XLA Ops",
+                category=XLA_OP_CATEGORY,
+                hlo_category="loop fusion",
+                args='{"program_id": "7", "hlo_module": "jit_f"}',
+            )
+        ]
+    }
+    # A distributed run is made from rank shards merged into the store, not from records of one process.
+    populate: dict[str, Callable[[], str]] = {"distributed": lambda: build_distributed_run(store)}
+    assert set(SECTIONS) == set(records) | set(populate), "a new report section needs a case here"
     bare = make_run(collectors=[])
     store_with(store, bare, {})
     empty = report.build(store, queries.resolve_run(store, bare.id))
@@ -84,9 +108,13 @@ def test_every_report_section_is_built_into_the_report_and_rendered(tmp_path: Pa
         module_name, build, render = spec.split(":")
         module = importlib.import_module(module_name)
         assert empty[key] is None and getattr(module, build)(store, queries.resolve_run(store, bare.id)) is None
-        run = make_run(collectors=[key])
-        store_with(store, run, records[key](run.id))
-        stored = queries.resolve_run(store, run.id)
+        if key in populate:
+            run_id = populate[key]()
+        else:
+            run = make_run(collectors=[key])
+            store_with(store, run, records[key](run.id))
+            run_id = run.id
+        stored = queries.resolve_run(store, run_id)
         section = getattr(module, build)(store, stored)
         data = report.build(store, stored)
         assert section is not None and data[key] == section, key
