@@ -23,6 +23,7 @@ from tpudiag.app.common import (
     run_label,
     store_version,
 )
+from tpudiag.comparison import stats
 from tpudiag.comparison.dashboard_view import load_view
 from tpudiag.store import Store
 
@@ -104,7 +105,7 @@ def render(s: Store) -> None:
                     "median ms B": _ms(d["median_b"]),
                     "B/A": round(d["ratio"], 3) if d["ratio"] is not None else None,
                     "p": d["p_value"],
-                    "n": f"{d['n_a']}+{d['n_b']}",
+                    "n": stats.sample_count(d),
                     "verdict": d["verdict"],
                 }
                 for label, d in (("first step", steps["first"]), ("steady step", steps["steady"]))

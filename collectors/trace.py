@@ -120,7 +120,9 @@ class TraceCollector:
             self._tracker.install()
             from tpudiag.collectors import module_calls
 
-            self._hooks.append(register_optimizer_step_post_hook(module_calls.skip_in_dynamo(self._after_optimizer_step)))
+            self._hooks.append(
+                register_optimizer_step_post_hook(module_calls.skip_in_dynamo(self._after_optimizer_step))
+            )
             self._patch_user_sessions()
             from tpudiag.collectors import tpu_profiler
 

@@ -74,7 +74,33 @@ def test_benjamini_hochberg_and_verdicts() -> None:
     assert stats.compare_samples(base, base * 1.004).verdict == "no significant change"
 
 
-OPS = {"aten::mm": 400_000, "aten::add": 120_000, "aten::relu": 60_000, "aten::sum": 80_000}
+# Steps of about 0.13 s: each is a block of its own (stats.BLOCK_S), so 30 steps are 30 samples.
+def test_steps_are_pooled_into_blocks_of_time() -> None:
+    assert stats.block_ids([0.03] * 10, 0.1) == [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]  # a short tail joins the last block
+    assert stats.block_ids([0.5, 0.5, 0.5], 0.1) == [0, 1, 2]  # a long step is a block of its own
+    assert stats.block_ids([0.01, 0.01], 0.1) == [0, 0]
+    assert stats.block_means([1.0, 3.0, 5.0, 7.0], [0, 0, 1, 1]) == [2.0, 6.0]
+
+
+def test_two_short_runs_at_different_machine_speeds_are_no_verdict() -> None:
+    """The CI failure this guards: 22 steps of 1 ms each, one run on a machine 1.6× slower at that moment.  Every
+    step of a run shares its moment's speed, so the per-step rank test is certain (p ~ 1e-8) of a change the code
+    did not make; over blocks the same runs are one sample each: too few samples."""
+    rng = np.random.default_rng(3)
+    a = 0.001 * rng.uniform(0.97, 1.03, size=22)
+    b = 0.0016 * rng.uniform(0.97, 1.03, size=22)
+    assert stats.compare_samples(a, b).verdict == "slower"
+    d = stats.compare_blocked(a, b)
+    assert d.verdict == "too few samples" and (d.blocks_a, d.blocks_b) == (1, 1) and d.n_a == 22
+    assert d.median_b == pytest.approx(float(np.median(b)))  # the medians stay per step
+    # Long enough runs still get their verdict, from blocks: 3 s of 1 ms steps, 30% slower.
+    a_long = 0.001 * rng.uniform(0.9, 1.1, size=3000)
+    b_long = 0.0013 * rng.uniform(0.9, 1.1, size=3000)
+    d = stats.compare_blocked(a_long, b_long)
+    assert d.verdict == "slower" and d.blocks_a in (29, 30) and d.blocks_b in (38, 39)
+
+
+OPS = {"aten::mm": 80_000_000, "aten::add": 24_000_000, "aten::relu": 12_000_000, "aten::sum": 16_000_000}
 
 
 def _hand_built(store: Store, name: str, scale: float, seed: int, extra: dict[str, float] | None = None) -> str:

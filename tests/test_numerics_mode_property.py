@@ -115,8 +115,9 @@ def _bits(tree: Any) -> list[Any]:
             if t.is_complex():
                 t = torch.view_as_real(t).reshape(-1)
             raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
-            out.append((str(x.dtype), tuple(x.shape), x.stride() if x.layout == torch.strided else None,
-                        bytes(raw.numpy())))
+            out.append(
+                (str(x.dtype), tuple(x.shape), x.stride() if x.layout == torch.strided else None, bytes(raw.numpy()))
+            )
         elif isinstance(x, float) and x != x:
             out.append("nan")
         else:

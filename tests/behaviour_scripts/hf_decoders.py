@@ -27,13 +27,32 @@ def train_and_generate(model, label):
 
 
 gpt2 = GPT2LMHeadModel(
-    GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0,
-               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        vocab_size=100,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
 )
 train_and_generate(gpt2, "gpt2")
 llama = LlamaForCausalLM(
-    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
 )
 train_and_generate(llama, "llama")
 _results.finish()

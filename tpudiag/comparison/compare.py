@@ -81,7 +81,7 @@ def findings(result: dict[str, Any]) -> list[Finding]:
                 sev,
                 f"steady step {steady['verdict']}",
                 f"steady step median {steady['median_a']:.6g} s -> {steady['median_b']:.6g} s "
-                f"({_pct(steady['ratio'])}, p={steady['p_value']:.2g}, n={steady['n_a']}+{steady['n_b']})",
+                f"({_pct(steady['ratio'])}, p={steady['p_value']:.2g}, n={stats.sample_count(steady)})",
             )
         )
     ops = result["ops"]

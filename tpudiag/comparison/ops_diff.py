@@ -1,12 +1,13 @@
 """Ops aligned across two runs by (module path, op), each put in one category: added, removed, slower, faster or
 unchanged, ranked by how much of the step time its change accounts for.
 
-Each op's samples are its self time in every steady step (0 in a step where it did not run), compared with the
-rank test; p-values of the ops that matter (at least ``MIN_SHARE`` of step time on either side) are adjusted
-with Benjamini–Hochberg, and an op is slower/faster only when that is significant, its ratio passes ``FACTOR``
-and its per-step change passes an absolute floor.  When nearly every op moved by one common factor the cause is
-the machine (contention, clock), not the code: the section says so ("uniform shift") and ops are then judged on
-their share of the step, i.e. B's times divided by the common factor.
+Each op's samples are its self time in every steady step (0 in a step where it did not run), averaged over the
+same blocks of consecutive steps as the step times (``stats.block_ids``) and compared with the rank test; p-values
+of the ops that matter (at least ``MIN_SHARE`` of step time on either side) are adjusted with Benjamini–Hochberg,
+and an op is slower/faster only when that is significant, its ratio passes ``FACTOR`` and its per-step change
+passes an absolute floor.  When nearly every op moved by one common factor the cause is the machine (contention,
+clock), not the code: the section says so ("uniform shift") and ops are then judged on their share of the step,
+i.e. B's times divided by the common factor.
 """
 
 from __future__ import annotations
@@ -79,14 +80,15 @@ def compare_ops(
     step_b = [st["dur_ns"] / 1e9 for st in b.steps if st["step"] in set(steps_b)]
     step_med_a = float(np.median(step_a)) if step_a else None
     step_med_b = float(np.median(step_b)) if step_b else None
+    blocks_a, blocks_b = stats.block_ids(step_a), stats.block_ids(step_b)
     ops_a = {_key(o): o for o in a.ops}
     ops_b = {_key(o): o for o in b.ops}
     rows: list[dict[str, Any]] = []
     pairs: list[tuple[float, float, float]] = []
     for key in list(ops_a) + [k for k in ops_b if k not in ops_a]:
         oa, ob = ops_a.get(key), ops_b.get(key)
-        sa = _samples(oa, steps_a) if oa else []
-        sb = _samples(ob, steps_b) if ob else []
+        sa = stats.block_means(_samples(oa, steps_a), blocks_a) if oa else []
+        sb = stats.block_means(_samples(ob, steps_b), blocks_b) if ob else []
         row: dict[str, Any] = {
             "op": key[0],
             "module": key[1],

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tpudiag.comparison import stats
+
 MAX_OP_ROWS = 20
 MAX_NUMERICS_ROWS = 20
 
@@ -66,7 +68,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
                     _ci(d["ci_b"]),
                     _ratio(d["ratio"]),
                     _v(d["p_value"]),
-                    f"{d['n_a']}+{d['n_b']}",
+                    stats.sample_count(d),
                     d["verdict"],
                 ]
             )

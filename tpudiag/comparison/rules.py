@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpudiag.comparison import compile_diff
+from tpudiag.comparison import compile_diff, stats
 from tpudiag.comparison.compare import location, where
 from tpudiag.errors import UsageError
 
@@ -209,7 +209,7 @@ def _statistical(rule: Rule, d: dict[str, Any] | None, result: dict[str, Any]) -
     bad, ratio = _bad_ratio(rule, d["median_a"], d["median_b"])
     seen = (
         f"{d['median_a']:.6g} s -> {d['median_b']:.6g} s (×{ratio:.3f}, p={d['p_value']:.2g}, "
-        f"n={d['n_a']}+{d['n_b']}, {d['verdict']})"
+        f"n={stats.sample_count(d)}, {d['verdict']})"
         if ratio is not None
         else f"median A is 0 ({d['verdict']})"
     )
@@ -221,6 +221,12 @@ def _statistical(rule: Rule, d: dict[str, Any] | None, result: dict[str, Any]) -
         return Outcome(rule, "inconclusive", seen, details=[shift["notice"]])
     if d["verdict"] == wanted:
         return Outcome(rule, "fail", seen)
+    if d["verdict"] == "too few samples" and d.get("blocks_a") is not None:
+        why = (
+            f"too few samples: steps are tested in blocks of at least {stats.BLOCK_S:g} s (the machine's speed "
+            "drifts on that scale), and these runs fill too few; run more steady steps for a verdict"
+        )
+        return Outcome(rule, "inconclusive", seen, details=[why])
     return Outcome(rule, "inconclusive", seen, details=[f"the change is not significant ({d['verdict']})"])
 
 

@@ -1,5 +1,7 @@
 """Step times compared: time to first result (the first step) and steady-state step time (the steps after
-warm-up), each as a median with its interval, the ratio B/A and a verdict from the rank test.
+warm-up), each as a median with its interval, the ratio B/A and a verdict from the rank test.  The steady steps are
+tested in blocks of at least ``stats.BLOCK_S`` seconds, since steps closer in time than that share the machine's
+speed of the moment (``stats.block_ids``).
 
 Steps during which the numerics checker worked are left out of the steady state (they time tpudiag).  With one
 run per side the first step is a single sample, so its verdict is "too few samples" by construction: it is
@@ -40,5 +42,6 @@ def compare_steps(a: Snapshot, b: Snapshot, warmup: int = WARMUP_STEPS, alpha: f
         out["note"] = "a run has no steps (no trace captured?): step times not compared"
         return out
     out["first"] = stats.compare_samples(first_sample(a), first_sample(b), alpha).to_dict()
-    out["steady"] = stats.compare_samples(steady_samples(a, warmup), steady_samples(b, warmup), alpha).to_dict()
+    out["steady"] = stats.compare_blocked(steady_samples(a, warmup), steady_samples(b, warmup), alpha).to_dict()
+    out["block_s"] = stats.BLOCK_S
     return out
