@@ -23,7 +23,7 @@ from tpudiag.app.common import (
     run_label,
     store_version,
 )
-from tpudiag.comparison import stats
+from tpudiag.comparison import compile_diff, stats
 from tpudiag.comparison.dashboard_view import load_view
 from tpudiag.store import Store
 
@@ -167,18 +167,7 @@ def render(s: Store) -> None:
     comp = result["compile"]
     if comp:
         st.dataframe(
-            [
-                {"count": k, "A": comp[k]["a"], "B": comp[k]["b"]}
-                for k in (
-                    "compiles",
-                    "recompiles",
-                    "recompiles_after_warmup",
-                    "graph_breaks",
-                    "cache_hits",
-                    "cache_misses",
-                    "compile_time_s",
-                )
-            ],
+            [{"count": k, "A": comp[k]["a"], "B": comp[k]["b"]} for k in compile_diff.SHOWN],
             hide_index=True,
             key="cmp_compile",
         )

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import tpudiag
 from tpudiag import environment, internal_errors
-from tpudiag.capture import new_run_id
 from tpudiag.clock import SystemClock
-from tpudiag.model import Run
-from tpudiag.plugins import CaptureContext, Collector, load_collectors
+from tpudiag.plugins import CaptureContext, load_collectors
+from tpudiag.run_setup import RunStart, begin_run, start_collectors
 from tpudiag.spool import Spool
 from tpudiag.store import Store
 
@@ -52,37 +49,12 @@ def capture_block(
 ) -> Iterator[BlockCapture]:
     clock = SystemClock()
     collectors = load_collectors(collect)
-    run_id = new_run_id(clock)
-    run_dir = store.run_dir(run_id).resolve()
+    run, run_dir = begin_run(store, clock, RunStart(name, script or name), collectors)
+    run_id = run.id
     spool = Spool(run_dir / "spool")
-    run = Run(
-        id=run_id,
-        name=name,
-        status="running",
-        started_at=clock.wall(),
-        script=script or name,
-        argv=[],
-        cwd=os.getcwd(),
-        host=environment.host(),
-        pid=os.getpid(),
-        python_version=environment.python_version(),
-        tpudiag_version=tpudiag.__version__,
-        env=environment.env_knobs(),
-        collectors=[c.name for c in collectors],
-        artifacts_dir=str(run_dir),
-    )
-    run_dir.mkdir(parents=True, exist_ok=True)
     errors = internal_errors.begin(run_dir)
-    store.put_run(run)
     ctx = CaptureContext(run_id=run_id, run_dir=run_dir, spool=spool, options=dict(options or {}), clock=clock)
-    active: list[Collector] = []
-    for c in collectors:
-        try:
-            c.prepare(ctx)
-            c.start(ctx)
-            active.append(c)
-        except Exception as err:  # a broken collector must not break the caller's code
-            ctx.note(f"collector {c.name} failed to start: {err}")
+    active = start_collectors(collectors, ctx)
     t0 = clock.monotonic()
     handle = BlockCapture(store, run_id, ctx.notes)
 

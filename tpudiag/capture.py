@@ -10,20 +10,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import secrets
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tpudiag
 from tpudiag import environment, internal_errors, runner
 from tpudiag.clock import Clock, SystemClock
 from tpudiag.errors import StoreError, TpudiagError
-from tpudiag.model import Run
 from tpudiag.plugins import CaptureContext, Collector, load_collectors
+from tpudiag.run_setup import RunStart, begin_run, start_collectors
 from tpudiag.spool import Spool
 from tpudiag.store import Store
 
@@ -46,10 +43,6 @@ class CaptureResult:
     collectors: list[Collector]
     context: CaptureContext
     internal_errors: str | None = None  # the closing line about tpudiag's own failures, if there were any
-
-
-def new_run_id(clock: Clock) -> str:
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime(clock.wall())) + "-" + secrets.token_hex(3)
 
 
 def _warn(text: str) -> None:
@@ -90,47 +83,16 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
         with contextlib.suppress(TpudiagError):
             store.recover_stale_runs()
 
-        run_id = new_run_id(clock)
-        run_dir = store.run_dir(run_id).resolve()
-        spool = Spool(run_dir / "spool")
-        started = clock.wall()
         script_path = Path(target.name) if target.kind == "script" else Path.cwd()
-        run = Run(
-            id=run_id,
-            name=options.name or (Path(target.name).stem if target.kind == "script" else target.name),
-            status="running",
-            started_at=started,
-            script=target.display,
-            argv=list(target.args),
-            cwd=os.getcwd(),
-            host=environment.host(),
-            pid=os.getpid(),
-            python_version=environment.python_version(),
-            tpudiag_version=tpudiag.__version__,
-            env=environment.env_knobs(),
-            git_commit=environment.git_commit(script_path.resolve()),
-            collectors=[c.name for c in collectors],
-            artifacts_dir=str(run_dir),
-        )
-        run_dir.mkdir(parents=True, exist_ok=True)
+        name = options.name or (Path(target.name).stem if target.kind == "script" else target.name)
+        run, run_dir = begin_run(store, clock, RunStart(name, target.display, target.args, script_path), collectors)
+        run_id = run.id
+        spool = Spool(run_dir / "spool")
         errors = internal_errors.begin(run_dir)
-        store.put_run(run)
-
         ctx = CaptureContext(
             run_id=run_id, run_dir=run_dir, spool=spool, options=dict(options.collector_options), clock=clock
         )
-        active: list[Collector] = []
-        for c in collectors:
-            try:
-                c.prepare(ctx)
-            except Exception as err:  # a broken collector must not break the user's script
-                ctx.note(f"collector {c.name} failed to prepare: {err}")
-        for c in collectors:
-            try:
-                c.start(ctx)
-                active.append(c)
-            except Exception as err:
-                ctx.note(f"collector {c.name} failed to start: {err}")
+        active = start_collectors(collectors, ctx)
         flusher = _Flusher(store, run_id, spool, active, options.flush_interval_s)
         flusher.start()
     from tpudiag.distributed import spawn  # torch.multiprocessing.spawn workers become ranks of this run

@@ -21,9 +21,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import tpudiag
+from tpudiag.clock import SystemClock
 from tpudiag.errors import ImportFormatError, TpudiagError
 from tpudiag.model import CompileEvent, Run
 from tpudiag.progress import StatusLine
+from tpudiag.run_setup import new_run_id
 from tpudiag.spool import Spool
 from tpudiag.store import Store, bulk_insert
 from tpudiag.traces import detect
@@ -46,18 +48,12 @@ class ImportResult:
     pending: list[tuple[str, pa.Table]] = field(default_factory=list)
 
 
-def new_run_id() -> str:
-    import secrets
-
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
-
-
 def import_paths(
     store: Store, paths: list[Path], name: str | None = None, status: StatusLine | None = None
 ) -> ImportResult:
     files = detect.expand(paths)
     status = status or StatusLine()
-    run_id = new_run_id()
+    run_id = new_run_id(SystemClock())
     run_dir = store.run_dir(run_id).resolve()
     spool = Spool(run_dir / "spool")
     result = ImportResult(run_id=run_id)

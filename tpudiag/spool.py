@@ -34,13 +34,18 @@ class Spool:
             n = next(self._counter)
         folder = self.directory / table
         folder.mkdir(parents=True, exist_ok=True)
-        final = folder / f"{os.getpid()}-{n:06d}.parquet"
-        tmp = folder / f".{final.name}.tmp"
-        pq.write_table(data, tmp, compression="zstd")
-        os.replace(tmp, final)
-        return final
+        return write_parquet(data, folder / f"{os.getpid()}-{n:06d}.parquet")
 
     def write_records(self, cls: type[Any], records: list[Any]) -> Path | None:
         if not records:
             return None
         return self.write_table(cls.TABLE, records_to_arrow(cls, records))
+
+
+def write_parquet(data: pa.Table, final: Path) -> Path:
+    """Write ``data`` to ``final`` atomically: a reader sees the whole file or none (a hidden temporary file in
+    the same folder, then a rename)."""
+    tmp = final.parent / f".{final.name}.tmp"
+    pq.write_table(data, tmp, compression="zstd")
+    os.replace(tmp, final)
+    return final

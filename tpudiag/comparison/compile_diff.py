@@ -9,6 +9,16 @@ from tpudiag.comparison.snapshot import Snapshot
 from tpudiag.comparison.steps_diff import WARMUP_STEPS
 
 COUNTS = ("compiles", "recompiles", "graph_breaks", "cache_hits", "cache_misses")
+# The section's rows, A beside B, in the order the text report and the dashboard show them.
+SHOWN = (
+    "compiles",
+    "recompiles",
+    "recompiles_after_warmup",
+    "graph_breaks",
+    "cache_hits",
+    "cache_misses",
+    "compile_time_s",
+)
 
 
 def after_warmup(section: dict[str, Any], warmup: int = WARMUP_STEPS) -> list[dict[str, Any]]:

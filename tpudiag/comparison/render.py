@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tpudiag.comparison import stats
+from tpudiag.comparison import compile_diff, stats
 
 MAX_OP_ROWS = 20
 MAX_NUMERICS_ROWS = 20
@@ -127,18 +127,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
 
     comp_s = result["compile"]
     if comp_s is not None:
-        rows = [
-            [k, _v(comp_s[k]["a"]), _v(comp_s[k]["b"])]
-            for k in (
-                "compiles",
-                "recompiles",
-                "recompiles_after_warmup",
-                "graph_breaks",
-                "cache_hits",
-                "cache_misses",
-                "compile_time_s",
-            )
-        ]
+        rows = [[k, _v(comp_s[k]["a"]), _v(comp_s[k]["b"])] for k in compile_diff.SHOWN]
         notes = [f"new recompile reason: {r}" for r in comp_s["new_recompile_reasons"]]
         notes += [f"new graph break: {s}" for s in comp_s["new_graph_breaks"]]
         out.append(("Compilation", ["", "A", "B"], rows, notes))

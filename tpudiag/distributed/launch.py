@@ -21,15 +21,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import tpudiag
 from tpudiag import environment, runner
-from tpudiag.capture import CaptureOptions, CaptureResult, new_run_id
+from tpudiag.capture import CaptureOptions, CaptureResult
 from tpudiag.clock import SystemClock
 from tpudiag.distributed import merge
 from tpudiag.distributed.session import CONFIG_ENV, ORIGINAL_PYTHON_EXEC_ENV, WorkerConfig
 from tpudiag.errors import TpudiagError
-from tpudiag.model import Run
 from tpudiag.plugins import CaptureContext, load_collectors
+from tpudiag.run_setup import RunStart, begin_run
 from tpudiag.spool import Spool
 from tpudiag.store import Store
 
@@ -85,28 +84,11 @@ def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureR
         collectors = load_collectors(options.collect)  # unknown names fail here, before the job starts
         with contextlib.suppress(TpudiagError):
             store.recover_stale_runs()
-    run_id = new_run_id(clock)
-    run_dir = store.run_dir(run_id).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
     script = next((a for a in target.args if not a.startswith("-")), None)
-    run = Run(
-        id=run_id,
-        name=options.name or (Path(script).stem if script else "torchrun"),
-        status="running",
-        started_at=clock.wall(),
-        script=target.display,
-        argv=list(target.args),
-        cwd=os.getcwd(),
-        host=environment.host(),
-        pid=os.getpid(),
-        python_version=environment.python_version(),
-        tpudiag_version=tpudiag.__version__,
-        env=environment.env_knobs(),
-        git_commit=environment.git_commit(Path(script).resolve() if script else Path.cwd()),
-        collectors=[c.name for c in collectors],
-        artifacts_dir=str(run_dir),
-    )
-    store.put_run(run)
+    name = options.name or (Path(script).stem if script else "torchrun")
+    start = RunStart(name, target.display, target.args, Path(script) if script else Path.cwd())
+    run, run_dir = begin_run(store, clock, start, collectors)
+    run_id = run.id
     ctx = CaptureContext(run_id=run_id, run_dir=run_dir, spool=Spool(run_dir / "spool"), clock=clock)
     if any(a.split("=", 1)[0] in UNREACHED_FLAGS for a in target.args):
         ctx.note("--run-path / --no-python workers do not start through PYTHON_EXEC: they were not captured")

@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from tpudiag.distributed.records import DIST_RECORDS
 from tpudiag.model import BULK_TABLES, arrow_schema, records_to_arrow
-from tpudiag.spool import Spool
+from tpudiag.spool import Spool, write_parquet
 
 PATH_COLUMNS = ("run_id", "rank")
 SHARD_TABLES: dict[str, type[Any]] = {**BULK_TABLES, **{c.TABLE: c for c in DIST_RECORDS}}
@@ -81,11 +80,7 @@ class ShardSpool(Spool):
             n = next(self._counter)
             folder = self._folder(table)
             folder.mkdir(parents=True, exist_ok=True)
-            final = folder / f"a{self.attempt}-{os.getpid()}-{n:06d}.parquet"
-            tmp = folder / f".{final.name}.tmp"
-            pq.write_table(shard, tmp, compression="zstd")
-            os.replace(tmp, final)
-        return final
+            return write_parquet(shard, folder / f"a{self.attempt}-{os.getpid()}-{n:06d}.parquet")
 
     def write_records(self, cls: type[Any], records: list[Any]) -> Path | None:
         if not records:
