@@ -9,8 +9,9 @@ Baseline, measured in the same run: the same job with one rank (ratios say how t
 ranks).  Peak memory of ``tpudiag report --json``: ``report_peak_mb`` is the whole command's peak RSS (its own
 ``VmHWM``, read by the command itself at exit: ``ru_maxrss`` of a child counts the parent's pages at fork, so it
 measured the benchmark's process, not the report), ``report_python_peak_mb`` what the report's Python objects
-peak at (``tracemalloc`` around a second ``report.build`` in this process, imports done).  The report aggregates per-rank data in SQL,
-so both stay nearly flat from 1 to 256 ranks (the ratios say by how much they grow).
+peak at (``tracemalloc`` around a second ``report.build`` in this process, imports done).  The report
+aggregates per-rank data in SQL, so both stay nearly flat from 1 to 256 ranks (the ratios say by how much they
+grow: the Python peak by the per-rank rows only).
 
     python -m bench.run distributed       # TPUDIAG_BENCH_RANKS=64 for a quicker look
 """
