@@ -101,6 +101,12 @@ def test_merge_and_section(tmp_path: Path) -> None:
         merge.finish(store, make_run(id=rid), store.run_dir(rid), con=w)
     again = report_section.build_section(store, {"id": rid})
     assert again is not None and len(again["ranks"]) == 3
+    with store.reader() as con:  # the run's own tables too (a second node of a multi-node job merges again)
+        counts = [
+            con.execute(f"SELECT count(*) FROM {t} WHERE run_id = ?", [rid]).fetchone()
+            for t in ("trace_events", "steps", "ops")
+        ]
+    assert counts == [(3 * STEPS,), (3 * STEPS,), (1,)]
 
 
 def test_rank_without_a_record_is_lost_and_fails_the_run(tmp_path: Path) -> None:

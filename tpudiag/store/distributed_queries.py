@@ -74,6 +74,13 @@ def load_rank_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str) ->
         )
 
 
+def set_run_owner(con: duckdb.DuckDBPyConnection, run_id: str, host: str, pid: int) -> None:
+    con.execute("UPDATE runs SET host = ?, pid = ? WHERE id = ? AND status = 'running'", [host, pid, run_id])
+
+
+MAIN_TABLES = ("trace_events", "steps", "compile_events", "ops", "op_diffs")
+
+
 def load_main_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, attempt: int, ops_rank: int) -> None:
     """One attempt's rank data into the run's own tables (what the single-run report, dashboard and exports read).
 
@@ -81,6 +88,8 @@ def load_main_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, at
     only, so the numerics section reads as one rank's.
     """
     shift = f"((rank + 1) << {ID_SHIFT})"
+    for table in MAIN_TABLES:  # a second merge (another node of the job finishing later) replaces, never adds
+        con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
     plans = {
         "trace_events": f"event_id + {shift} AS event_id, parent_id + {shift} AS parent_id, "
         f"launch_id + {shift} AS launch_id",
