@@ -129,6 +129,7 @@ def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureR
     if node is not None:
         still_running = node.leave(final.status, final.exit_code, final.notes)
         if still_running:  # another node's ranks are still at work: the last node out merges the job
+            ctx.note(f"{len(still_running)} other node(s) of the job still running: the last one out merges every rank")
             live = still_running[0]
             with store.writer() as w:  # the record points at a live node: stale-run recovery leaves it alone
                 q.set_run_owner(w, run_id, str(live.get("host")), int(live.get("pid") or 0))

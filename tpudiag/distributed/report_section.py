@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from tpudiag.distributed import analysis
+from tpudiag.distributed.identity import chip_of
 from tpudiag.store import Store
 from tpudiag.store import distributed_queries as q
 
@@ -60,6 +61,7 @@ def assemble(
     for r in current:
         row = {k: r.get(k) for k in RANK_KEYS}
         row["attempt"] = last
+        row["chip"] = chip_of(r.get("device_ids"), int(r["rank"]))  # TorchTPU's rank -> chip; None elsewhere
         row["numerics_failures"] = r.get("numerics_failures")
         row.update(spread.get(int(r["rank"]), {"steps": 0}))
         row.update(counts.get(int(r["rank"]), {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0}))
@@ -110,6 +112,7 @@ def render_section(section: dict[str, Any]) -> list[str]:
         lines.append(
             f"  {r['rank']:>4}  {r['status'] or '-':<11}  {r['steps']:>5}  {median:>11}  {r['collectives']:>11}  "
             f"{r['collective_s']:>12.4f} s  {r['host'] or '-'}"
+            + (f"  chip {r['chip']}" if r.get("chip") is not None else "")
         )
     if len(section["ranks"]) > MAX_RANKS_LISTED:
         lines.append(f"  ... {len(section['ranks']) - MAX_RANKS_LISTED} more ranks (report --json lists all)")
