@@ -26,6 +26,13 @@ from tpudiag.store import Store, queries
 ENV = {"OMP_NUM_THREADS": "1", "TPUDIAG_FLUSH_S": "2"}
 
 
+def test_job_id_leaves_the_launcher_module_unimported() -> None:
+    # runpy runs torchrun's module as __main__ after this and warns on the user's stderr if it is imported already.
+    sys.modules.pop("torch.distributed.run", None)
+    assert multinode.job_id(["--nnodes", "2", "--rdzv-id", "a", "t.py"], None) == "a"
+    assert "torch.distributed.run" not in sys.modules
+
+
 def test_job_id_every_node_derives_the_same() -> None:
     two_nodes = ["--nnodes", "2", "--node-rank", "1", "--rdzv-id", "job 42", "train.py", "--rdzv-id", "x"]
     assert multinode.job_id(two_nodes, None) == "job-42"  # the launcher's own option, not the script's

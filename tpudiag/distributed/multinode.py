@@ -24,6 +24,7 @@ import json
 import os
 import re
 import socket
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,12 +50,16 @@ def job_id(launcher_args: Sequence[str], explicit: str | None) -> str | None:
     """The id every node of the job derives the same way, or None (a fresh run id)."""
     if explicit:
         return clean_id(explicit)
+    loaded = "torch.distributed.run" in sys.modules
     try:
         from torch.distributed.run import get_args_parser
 
         args, _ = get_args_parser().parse_known_args(list(launcher_args))
     except (ImportError, SystemExit, Exception):  # not torchrun's arguments: torchrun itself will say so
         return None
+    finally:
+        if not loaded:  # runpy runs the launcher as __main__ next, and warns on stderr if it is already imported
+            sys.modules.pop("torch.distributed.run", None)
     nnodes = str(getattr(args, "nnodes", "1"))
     rdzv = str(getattr(args, "rdzv_id", "none") or "none")
     if rdzv == "none" or nnodes in ("1", "1:1"):
