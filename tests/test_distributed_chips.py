@@ -41,6 +41,10 @@ def test_report_rows_carry_the_chip() -> None:
     plain = report_section.assemble([_info(r, None) for r in range(2)], {}, None, [], None, {}, [])
     assert [r["chip"] for r in plain["ranks"]] == [None, None]
     assert "chip" not in "\n".join(report_section.render_section(plain))
+    from app.ranks import rank_rows  # the dashboard's Ranks table: a chip column only where chips are known
+
+    assert [r["chip"] for r in rank_rows(section)] == [5, 4, 7, 6]
+    assert "chip" not in rank_rows(plain)[0]
 
 
 def test_without_torch_tpu_nothing_is_imported() -> None:
