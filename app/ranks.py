@@ -22,7 +22,10 @@ RANK_COLUMNS = (
 
 
 def rank_rows(section: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{k: r.get(k) for k in RANK_COLUMNS} for r in section["ranks"]]
+    """One row per rank; a ``chip`` column (TorchTPU's rank -> global device id) only when some rank has one."""
+    chips = any(r.get("chip") is not None for r in section["ranks"])
+    columns = (*RANK_COLUMNS[:3], "chip", *RANK_COLUMNS[3:]) if chips else RANK_COLUMNS
+    return [{k: r.get(k) for k in columns} for r in section["ranks"]]
 
 
 def straggler_rows(section: dict[str, Any]) -> list[dict[str, Any]]:

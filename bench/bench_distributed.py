@@ -6,7 +6,12 @@ fingerprints and compile events.  Rank 17 is a straggler (it waits least at ever
 checks that the report names it.
 
 Baseline, measured in the same run: the same job with one rank (ratios say how the distributed work grows with
-ranks).  Peak memory is the ``ru_maxrss`` of a ``tpudiag report --json`` subprocess (the whole command).
+ranks).  Peak memory of ``tpudiag report --json``: ``report_peak_mb`` is the whole command's peak RSS (its own
+``VmHWM``, read by the command itself at exit: ``ru_maxrss`` of a child counts the parent's pages at fork, so it
+measured the benchmark's process, not the report), ``report_python_peak_mb`` what the report's Python objects
+peak at (``tracemalloc`` around a second ``report.build`` in this process, imports done).  The report
+aggregates per-rank data in SQL, so both stay nearly flat from 1 to 256 ranks (the ratios say by how much they
+grow: the Python peak by the per-rank rows only).
 
     python -m bench.run distributed       # TPUDIAG_BENCH_RANKS=64 for a quicker look
 """
@@ -15,25 +20,40 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from tpudiag import report
 from tpudiag.distributed import merge, report_section
 from tpudiag.distributed.records import Fingerprint, RankInfo
 from tpudiag.distributed.shards import ShardSpool, table_glob
 from tpudiag.model import CompileEvent, Run, Step, TraceEvent, arrow_schema
-from tpudiag.store import Store
+from tpudiag.store import Store, queries
 
 STRAGGLER = 17
 STEPS = 200
+# ``python -m tpudiag`` that prints its own peak RSS (kB) as the last stderr line.
+_PEAK_RSS_MAIN = """
+import sys
+from tpudiag.cli import console_main
+try:
+    console_main()
+finally:
+    try:
+        with open("/proc/self/status") as f:
+            print(next(l.split()[1] for l in f if l.startswith("VmHWM:")), file=sys.stderr)
+    except (OSError, StopIteration):  # not Linux: ru_maxrss (may include the parent's pages at fork)
+        import resource
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
 
 
 def _events(run_id: str, rank: int, n: int, rng: np.random.Generator) -> pa.Table:
@@ -114,14 +134,19 @@ def measure(ranks: int, events: int, folder: Path) -> dict[str, Any]:
             "WHERE name LIKE 'gloo:%' GROUP BY rank"
         ).fetchall()
     glob_s = time.perf_counter() - t0
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-m", "tpudiag", "report", run_id, "--db", str(store.path), "--json"],
+        [sys.executable, "-c", _PEAK_RSS_MAIN, "report", run_id, "--db", str(store.path), "--json"],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     report_s = time.perf_counter() - t0
-    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    peak_kb = int(out.stderr.strip().splitlines()[-1])
+    run_row = queries.resolve_run(store, run_id)
+    report.build(store, run_row)  # once first: the modules it imports are not the report's data
+    tracemalloc.start()
+    report.build(store, run_row)
+    python_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
     stragglers = json.loads(out.stdout)["distributed"]["stragglers"]
     return {
         "ranks": ranks,
@@ -131,8 +156,8 @@ def measure(ranks: int, events: int, folder: Path) -> dict[str, Any]:
         "distributed_section_s": round(section_s, 3),
         "straggler_glob_query_s": round(glob_s, 3),
         "report_cmd_s": round(report_s, 3),
-        # ru_maxrss of children is the largest child so far: meaningful when it grew in this call.
-        "report_peak_mb": round(max(peak_kb, before) / 1024, 1),
+        "report_peak_mb": round(peak_kb / 1024, 1),
+        "report_python_peak_mb": round(python_peak / 1e6, 2),
         "straggler_named": bool(stragglers) and stragglers[0]["rank"] == STRAGGLER if ranks > STRAGGLER else None,
     }
 
@@ -141,13 +166,13 @@ def main() -> dict[str, Any]:
     ranks = int(os.environ.get("TPUDIAG_BENCH_RANKS", "256"))
     events = int(os.environ.get("TPUDIAG_BENCH_RANK_EVENTS", "4000"))
     with tempfile.TemporaryDirectory(prefix="tpudiag-bench-dist-") as tmp:
-        baseline = measure(1, events, Path(tmp))  # first: the children's peak RSS only grows
+        baseline = measure(1, events, Path(tmp))
         job = measure(ranks, events, Path(tmp))
     return {
         "baseline_1_rank": baseline,
         "job": job,
         "ratios_vs_1_rank": {
             k: round(job[k] / baseline[k], 1) if baseline[k] else None
-            for k in ("merge_s", "distributed_section_s", "report_cmd_s", "report_peak_mb")
+            for k in ("merge_s", "distributed_section_s", "report_cmd_s", "report_peak_mb", "report_python_peak_mb")
         },
     }

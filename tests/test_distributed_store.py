@@ -40,14 +40,17 @@ def _collectives(run_id: str, rank: int, mismatch_at: int | None = None) -> pa.T
     return pa.table({f.name: cols.get(f.name, pa.nulls(n, f.type)) for f in schema}, schema=schema)
 
 
-def build(store: Store, lost_rank: bool = False, mismatch_at: int | None = None) -> str:
+def build(store: Store, lost_rank: bool = False, mismatch_at: int | None = None, odd_rank: int | None = None) -> str:
     run = make_run(artifacts_dir=None)
     run_dir = store.run_dir(run.id)
     root = run_dir / "shards"
     for rank in range(3):
         spool = ShardSpool(root, run_dir / "staging", run.id, rank, 0)
         spool.write_table("trace_events", _collectives(run.id, rank, mismatch_at))
-        spool.write_records(Step, [Step(run.id, s, s * 10, 9_000_000 + rank, "optimizer") for s in range(STEPS)])
+        n_steps = STEPS + (rank == odd_rank)  # an odd count: the median is the middle step, not a mean of two
+        spool.write_records(
+            Step, [Step(run.id, s, s * 10, 9_000_000 + rank + (s * 7 % 5) * 1_001, "optimizer") for s in range(n_steps)]
+        )
         spool.write_records(
             Fingerprint,
             [Fingerprint(run.id, rank, s, "param", "x" if rank == 1 and s >= 4 else f"p{s}") for s in range(STEPS)],
@@ -98,6 +101,12 @@ def test_merge_and_section(tmp_path: Path) -> None:
         merge.finish(store, make_run(id=rid), store.run_dir(rid), con=w)
     again = report_section.build_section(store, {"id": rid})
     assert again is not None and len(again["ranks"]) == 3
+    with store.reader() as con:  # the run's own tables too (a second node of a multi-node job merges again)
+        counts = [
+            con.execute(f"SELECT count(*) FROM {t} WHERE run_id = ?", [rid]).fetchone()
+            for t in ("trace_events", "steps", "ops")
+        ]
+    assert counts == [(3 * STEPS,), (3 * STEPS,), (1,)]
 
 
 def test_rank_without_a_record_is_lost_and_fails_the_run(tmp_path: Path) -> None:
@@ -163,3 +172,29 @@ def test_sql_aggregates_agree_with_the_pure_functions(tmp_path: Path) -> None:
     section = report_section.build_section(store, {"id": rid})
     assert section is not None and section["collective_mismatch"]["ranks"] == [0, 1, 2]
     assert section["stragglers"][0]["collectives"] == 4
+
+
+def test_per_rank_sql_agrees_with_the_pure_functions(tmp_path: Path) -> None:
+    """Step spread and rank divergence come from SQL (per-rank rows, disagreeing cells only): same as ``analysis``
+    over every step and fingerprint."""
+    from tpudiag.distributed import analysis
+    from tpudiag.distributed.records import Fingerprint
+    from tpudiag.store import distributed_queries as q
+
+    store = Store(tmp_path / "s.duckdb")
+    rid = build(store, odd_rank=2)
+    with store.reader() as con:
+        rows = con.execute(
+            "SELECT rank, list(dur_ns ORDER BY step) FROM dist_steps WHERE run_id = ? GROUP BY rank", [rid]
+        ).fetchall()
+        every = con.execute("SELECT * FROM dist_fingerprints WHERE run_id = ? ORDER BY step, kind, rank", [rid])
+        cols = [d[0] for d in every.description or []]
+        prints = [Fingerprint(**dict(zip(cols, r, strict=True))) for r in every.fetchall()]
+        spread = q.step_spread(con, rid, 0)
+        divergent = q.divergent_fingerprints(con, rid, 0)
+        seen = q.fingerprint_ranks(con, rid, 0)
+    assert spread == analysis.step_spread({int(r): [int(d) for d in durs] for r, durs in rows})
+    assert spread[2]["steps"] == STEPS + 1 and spread[0]["steps"] == STEPS
+    assert analysis.rank_divergence(divergent, all_ranks=seen) == analysis.rank_divergence(prints)
+    assert len(divergent) < len(prints)  # the cells where every rank agrees (steps 0-3) stay in the database
+    assert analysis.rank_divergence(divergent, all_ranks=seen)["reference_ranks"] == [0, 2]  # type: ignore[index]

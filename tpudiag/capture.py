@@ -18,7 +18,7 @@ from typing import Any
 
 from tpudiag import environment, internal_errors, runner
 from tpudiag.clock import Clock, SystemClock
-from tpudiag.errors import StoreError, TpudiagError
+from tpudiag.errors import StoreError, TpudiagError, UsageError
 from tpudiag.plugins import CaptureContext, Collector, load_collectors
 from tpudiag.run_setup import RunStart, begin_run, start_collectors
 from tpudiag.spool import Spool
@@ -33,6 +33,7 @@ class CaptureOptions:
     # How often spooled parts are loaded into the store while the script runs.
     flush_interval_s: float = field(default_factory=lambda: float(os.environ.get("TPUDIAG_FLUSH_S", "10")))
     collector_options: dict[str, Any] = field(default_factory=dict)
+    run_id: str | None = None  # launchers only: the job's run id, the same on every node (distributed/multinode.py)
 
 
 @dataclass
@@ -152,6 +153,8 @@ def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
     from tpudiag.distributed import launch
 
     target = launch.normalize(target)
+    if options.run_id and not launch.is_launcher(target):
+        raise UsageError("--run-id joins the nodes of one distributed job: needs torchrun (-m torch.distributed.run)")
     try:
         result = launch.capture_launcher(target, options) if launch.is_launcher(target) else capture(target, options)
     except StoreError as err:

@@ -11,7 +11,7 @@ from typing import Any
 import tpudiag
 from tpudiag.errors import TpudiagError, UsageError
 
-CAPTURE_VALUE_OPTIONS = {"--db", "--name", "--collect", "--numerics", "--budget", "--ops", "--modules"}
+CAPTURE_VALUE_OPTIONS = {"--db", "--name", "--collect", "--numerics", "--budget", "--ops", "--modules", "--run-id"}
 CAPTURE_FLAG_OPTIONS = {"--with-stack", "-h", "--help"}
 
 
@@ -93,8 +93,9 @@ def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
         if value is not None:
             collector_options[key] = value
     options = CaptureOptions(
-        db=resolve_db_path(args.db), name=args.name, collect=collect, collector_options=collector_options
-    )
+        db=resolve_db_path(args.db), name=args.name, collect=collect, collector_options=collector_options,
+        run_id=args.run_id,
+    )  # fmt: skip
     return run_capture_cli(target, options)
 
 
@@ -164,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="name of the run (default: the script's name)")
     p.add_argument("--collect", help="comma-separated collectors, or none (default: every available one)")
     p.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
+    p.add_argument(
+        "--run-id",
+        metavar="ID",
+        help="distributed launchers: the job's run id, the same on every node, so all nodes' ranks join one run "
+        "(default for a multi-node torchrun: its --rdzv-id)",
+    )
     p.add_argument(
         "--numerics",
         metavar="MODE",

@@ -12,10 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tpudiag.analysis.step_summary import StepSpan, summarize_steps
 from tpudiag.display import host_op_kind
 from tpudiag.internal_errors import NOTE_PREFIX
-from tpudiag.store import Store, hlo_queries, queries, step_queries
+from tpudiag.store import Store, hlo_queries, queries, step_queries, step_summary_queries
 
 RUN_KEYS = (
     "id",
@@ -63,23 +62,23 @@ def run_summary(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def steps_section(store: Store, run_id: str, run: dict[str, Any] | None = None) -> dict[str, Any]:
-    rows = queries.steps(store, run_id)
-    spans = [StepSpan(r["step"], r["start_ns"], r["dur_ns"], r["kind"], r["input_shapes"]) for r in rows]
     run = run or queries.resolve_run(store, run_id)
     # A capture measured its script's run time; an import has only the trace.
     script_s = run.get("duration_s") if run.get("source") != "import" else None
-    tool, tool_total = step_queries.tool_ns_by_step(store, run_id)
-    summary = summarize_steps(
-        spans, step_queries.op_span_ns(store, run_id), script_s, tool if tool_total else None, tool_total or None
-    )
+    tool_total = step_queries.tool_total_ns(store, run_id)
+    # Aggregated in SQL: a merged distributed run holds every rank's steps, which never come to Python at once.
+    summary, listed = step_summary_queries.summarize(
+        store, run_id, script_s, step_queries.op_span_ns(store, run_id), bool(tool_total), tool_total or None,
+        MAX_STEPS_LISTED,
+    )  # fmt: skip
     summary["per_step"] = [
         {
-            "step": s.step,
-            "dur_s": round(s.dur_ns / 1e9, 6),
-            **({"tpudiag_s": round(tool.get(s.step, 0) / 1e9, 6)} if tool_total else {}),
-            "input_shapes": json.loads(s.input_shapes) if s.input_shapes else None,
+            "step": s["step"],
+            "dur_s": round(s["dur_ns"] / 1e9, 6),
+            **({"tpudiag_s": round(s["tool_ns"] / 1e9, 6)} if tool_total else {}),
+            "input_shapes": json.loads(s["input_shapes"]) if s["input_shapes"] else None,
         }
-        for s in spans[:MAX_STEPS_LISTED]
+        for s in listed
     ]
     return summary
 

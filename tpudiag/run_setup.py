@@ -36,9 +36,18 @@ class RunStart:
 
 def begin_run(store: Store, clock: Clock, start: RunStart, collectors: Sequence[Collector]) -> tuple[Run, Path]:
     """Register a new run (status ``running``) and create its folder; its record and its folder."""
+    run = new_run(store, clock, start, collectors)
+    run_dir = Path(run.artifacts_dir or store.run_dir(run.id))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store.put_run(run)
+    return run, run_dir
+
+
+def new_run(store: Store, clock: Clock, start: RunStart, collectors: Sequence[Collector]) -> Run:
+    """A new run's record (status ``running``, a fresh id), not stored yet."""
     run_id = new_run_id(clock)
     run_dir = store.run_dir(run_id).resolve()
-    run = Run(
+    return Run(
         id=run_id,
         name=start.name,
         status="running",
@@ -55,9 +64,6 @@ def begin_run(store: Store, clock: Clock, start: RunStart, collectors: Sequence[
         collectors=[c.name for c in collectors],
         artifacts_dir=str(run_dir),
     )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    store.put_run(run)
-    return run, run_dir
 
 
 def start_collectors(

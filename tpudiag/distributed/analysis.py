@@ -171,8 +171,14 @@ def _reference(groups: Mapping[str, list[int]]) -> str:
     return min(groups, key=lambda k: (-len(groups[k]), min(groups[k])))
 
 
-def rank_divergence(fingerprints: Iterable[Fingerprint]) -> dict[str, Any] | None:
-    """Ranks whose fingerprints leave the reference group, each with the first step and kind where it did."""
+def rank_divergence(
+    fingerprints: Iterable[Fingerprint], all_ranks: Iterable[int] | None = None
+) -> dict[str, Any] | None:
+    """Ranks whose fingerprints leave the reference group, each with the first step and kind where it did.
+
+    ``all_ranks``: every rank that has fingerprints, when ``fingerprints`` holds only the cells where ranks
+    disagree (the report's SQL sends only those); default: the ranks in ``fingerprints``.
+    """
     cells: dict[tuple[int, int], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     sums: dict[tuple[int, int, int], float | None] = {}
     for f in fingerprints:
@@ -207,8 +213,8 @@ def rank_divergence(fingerprints: Iterable[Fingerprint]) -> dict[str, Any] | Non
     if first is None:
         return None
     ranks: list[dict[str, Any]] = sorted(diverged.values(), key=lambda d: (d["from_step"], d["rank"]))
-    all_ranks = {r for groups in cells.values() for rs in groups.values() for r in rs}
-    reference = sorted(all_ranks - set(diverged))
+    seen = {r for groups in cells.values() for rs in groups.values() for r in rs}
+    reference = sorted((seen | set(all_ranks or ())) - set(diverged))
     names = ", ".join(str(d["rank"]) for d in ranks)
     lead = "only rank" if len(ranks) == 1 else "ranks"
     return {

@@ -8,8 +8,10 @@ then the spawn index stands in.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -38,6 +40,7 @@ class RankIdentity:
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
     backend: str | None = None
+    device_ids: list[int] | None = None  # TorchTPU: global device id (chip) of each rank of the world group
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, fallback_rank: int | None = None) -> RankIdentity:
@@ -64,4 +67,35 @@ class RankIdentity:
             self.backend = str(dist.get_backend())
         except Exception:  # a process group in a state we do not understand: keep what we know
             return False
+        self.device_ids = tpu_device_ids()
         return True
+
+
+def tpu_device_ids() -> list[int] | None:
+    """TorchTPU's rank -> global device id of the world group, or None (no TorchTPU, or a group it does not drive).
+
+    Launchers assign ranks with no topology input, so TorchTPU says the rank -> chip mapping is arbitrary; its
+    ``get_device_assignment`` (``torch_tpu._internal.distributed.device_mesh``) returns the list, indexed by rank,
+    from the TPU process group's backend (``[]`` for any other backend).  Only when ``torch_tpu`` is already
+    imported by the script: never imported here.
+    """
+    if "torch_tpu" not in sys.modules:
+        return None
+    try:
+        from torch_tpu._internal.distributed.device_mesh import get_device_assignment
+
+        ids = [int(i) for i in get_device_assignment()]
+    except Exception:  # an API that moved or failed: the rank record just lacks it
+        return None
+    return ids or None
+
+
+def chip_of(device_ids_json: str | None, rank: int) -> int | None:
+    """The chip (global device id) of ``rank`` from a rank record's ``device_ids`` (JSON list indexed by rank)."""
+    try:
+        ids = json.loads(device_ids_json) if device_ids_json else None
+    except ValueError:
+        return None
+    if not isinstance(ids, list) or not 0 <= rank < len(ids) or not isinstance(ids[rank], int):
+        return None
+    return int(ids[rank])

@@ -24,13 +24,14 @@ from pathlib import Path
 from tpudiag import environment, runner
 from tpudiag.capture import CaptureOptions, CaptureResult
 from tpudiag.clock import SystemClock
-from tpudiag.distributed import merge
+from tpudiag.distributed import merge, multinode
 from tpudiag.distributed.session import CONFIG_ENV, ORIGINAL_PYTHON_EXEC_ENV, WorkerConfig
 from tpudiag.errors import TpudiagError
 from tpudiag.plugins import CaptureContext, load_collectors
-from tpudiag.run_setup import RunStart, begin_run
+from tpudiag.run_setup import RunStart, begin_run, new_run
 from tpudiag.spool import Spool
 from tpudiag.store import Store
+from tpudiag.store import distributed_queries as q
 
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 LAUNCHER_SCRIPTS = ("torchrun",)
@@ -50,9 +51,10 @@ def is_launcher(target: runner.Target) -> bool:
     return target.kind == "module" and target.name in LAUNCHER_MODULES
 
 
-def write_wrapper(run_dir: Path, python: str) -> Path:
-    """The interpreter torchrun starts workers with: tpudiag's worker module on the same (or the user's) Python."""
-    path = run_dir / "bin" / "python-worker"
+def write_wrapper(run_dir: Path, python: str, node: str = "") -> Path:
+    """The interpreter torchrun starts workers with: tpudiag's worker module on the same (or the user's) Python
+    (one per node of a multi-node job: their Pythons may differ)."""
+    path = run_dir / "bin" / ("python-worker" + (f"-{node}" if node else ""))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -u -m tpudiag.distributed.worker "$@"\n')
     path.chmod(0o755)
@@ -87,7 +89,16 @@ def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureR
     script = next((a for a in target.args if not a.startswith("-")), None)
     name = options.name or (Path(script).stem if script else "torchrun")
     start = RunStart(name, target.display, target.args, Path(script) if script else Path.cwd())
-    run, run_dir = begin_run(store, clock, start, collectors)
+    job = multinode.job_id(target.args, options.run_id)
+    node: multinode.NodeMarker | None = None
+    if job is None:
+        run, run_dir = begin_run(store, clock, start, collectors)
+    else:  # one node of a multi-node job (or an explicit --run-id): create the job's run or join it
+        run, _joined = multinode.join_or_create(store, job, new_run(store, clock, start, collectors))
+        run_dir = Path(run.artifacts_dir or store.run_dir(run.id))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        node = multinode.NodeMarker(run_dir)
+        node.enter()
     run_id = run.id
     ctx = CaptureContext(run_id=run_id, run_dir=run_dir, spool=Spool(run_dir / "spool"), clock=clock)
     if any(a.split("=", 1)[0] in UNREACHED_FLAGS for a in target.args):
@@ -99,7 +110,7 @@ def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureR
         options=dict(options.collector_options),
         flush_s=options.flush_interval_s,
     )
-    wrapper = write_wrapper(run_dir, os.environ.get("PYTHON_EXEC") or sys.executable)
+    wrapper = write_wrapper(run_dir, os.environ.get("PYTHON_EXEC") or sys.executable, node.path.stem if node else "")
     t0 = clock.monotonic()
     with worker_environment(config, wrapper):
         outcome = runner.run(target)
@@ -115,5 +126,14 @@ def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureR
         device_name=device_name,
         notes=list(ctx.notes) + ([f"launcher ended with {outcome.error}"] if outcome.error else []),
     )
+    if node is not None:
+        still_running = node.leave(final.status, final.exit_code, final.notes)
+        if still_running:  # another node's ranks are still at work: the last node out merges the job
+            ctx.note(f"{len(still_running)} other node(s) of the job still running: the last one out merges every rank")
+            live = still_running[0]
+            with store.writer() as w:  # the record points at a live node: stale-run recovery leaves it alone
+                q.set_run_owner(w, run_id, str(live.get("host")), int(live.get("pid") or 0))
+            return CaptureResult(run_id, outcome.exit_code, "running", [], ctx)
+        final = multinode.combine(final, node.outcomes())
     final = merge.store_merged(store, final, lambda w: merge.finish(store, final, run_dir, con=w))
     return CaptureResult(run_id, outcome.exit_code, final.status, [], ctx)

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from tpudiag.distributed import analysis
+from tpudiag.distributed.identity import chip_of
 from tpudiag.store import Store
 from tpudiag.store import distributed_queries as q
 
@@ -34,10 +35,13 @@ def build_section(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
         stragglers = analysis.stragglers_from(
             q.lateness(con, run["id"], last, paired), paired, q.waits_before(con, run["id"], last, paired)
         )
-        fingerprints = q.fingerprints(con, run["id"], last)
-        steps = q.step_durations(con, run["id"], last)
+        # Only the cells where ranks disagree, and per-rank step figures: nothing ranks x steps comes to Python.
+        divergence = analysis.rank_divergence(
+            q.divergent_fingerprints(con, run["id"], last), all_ranks=q.fingerprint_ranks(con, run["id"], last)
+        )
+        spread = q.step_spread(con, run["id"], last)
         compiles = q.compile_events(con, run["id"], last)
-    return assemble(infos, counts, mismatch, stragglers, fingerprints, steps, compiles)
+    return assemble(infos, counts, mismatch, stragglers, divergence, spread, compiles)
 
 
 def assemble(
@@ -45,19 +49,19 @@ def assemble(
     counts: dict[int, dict[str, Any]],
     mismatch: dict[str, Any] | None,
     stragglers: list[dict[str, Any]],
-    fingerprints: list[Any],
-    steps: dict[int, list[int]],
+    divergence: dict[str, Any] | None,
+    spread: dict[int, dict[str, Any]],
     compiles: list[Any],
 ) -> dict[str, Any]:
     """The section from per-rank records and the collective findings (pure: the store reads are in
     ``build_section``)."""
     last = max(int(r["restart"]) for r in infos)
     current = [r for r in infos if int(r["restart"]) == last]
-    spread = analysis.step_spread(steps)
     ranks = []
     for r in current:
         row = {k: r.get(k) for k in RANK_KEYS}
         row["attempt"] = last
+        row["chip"] = chip_of(r.get("device_ids"), int(r["rank"]))  # TorchTPU's rank -> chip; None elsewhere
         row["numerics_failures"] = r.get("numerics_failures")
         row.update(spread.get(int(r["rank"]), {"steps": 0}))
         row.update(counts.get(int(r["rank"]), {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0}))
@@ -85,7 +89,7 @@ def assemble(
         "ranks": ranks,
         "stragglers": stragglers,
         "collective_mismatch": mismatch,
-        "rank_divergence": analysis.rank_divergence(fingerprints),
+        "rank_divergence": divergence,
         "compile_divergence": analysis.compile_divergence(compiles),
     }
 
@@ -108,6 +112,7 @@ def render_section(section: dict[str, Any]) -> list[str]:
         lines.append(
             f"  {r['rank']:>4}  {r['status'] or '-':<11}  {r['steps']:>5}  {median:>11}  {r['collectives']:>11}  "
             f"{r['collective_s']:>12.4f} s  {r['host'] or '-'}"
+            + (f"  chip {r['chip']}" if r.get("chip") is not None else "")
         )
     if len(section["ranks"]) > MAX_RANKS_LISTED:
         lines.append(f"  ... {len(section['ranks']) - MAX_RANKS_LISTED} more ranks (report --json lists all)")

@@ -204,6 +204,7 @@ class WorkerSession:
             started_at=self.started,
             ended_at=time.time(),
             device=kind,
+            device_ids=json.dumps(self.identity.device_ids) if self.identity.device_ids else None,
             job_id=self.identity.job_id,
             artifacts_dir=str(self.workdir),
             notes=json.dumps(notes) if notes else None,

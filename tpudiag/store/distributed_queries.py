@@ -74,6 +74,13 @@ def load_rank_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str) ->
         )
 
 
+def set_run_owner(con: duckdb.DuckDBPyConnection, run_id: str, host: str, pid: int) -> None:
+    con.execute("UPDATE runs SET host = ?, pid = ? WHERE id = ? AND status = 'running'", [host, pid, run_id])
+
+
+MAIN_TABLES = ("trace_events", "steps", "compile_events", "ops", "op_diffs")
+
+
 def load_main_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, attempt: int, ops_rank: int) -> None:
     """One attempt's rank data into the run's own tables (what the single-run report, dashboard and exports read).
 
@@ -81,6 +88,8 @@ def load_main_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, at
     only, so the numerics section reads as one rank's.
     """
     shift = f"((rank + 1) << {ID_SHIFT})"
+    for table in MAIN_TABLES:  # a second merge (another node of the job finishing later) replaces, never adds
+        con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
     plans = {
         "trace_events": f"event_id + {shift} AS event_id, parent_id + {shift} AS parent_id, "
         f"launch_id + {shift} AS launch_id",
@@ -263,19 +272,49 @@ def waits_before(con: duckdb.DuckDBPyConnection, run_id: str, restart: int, coun
     return {int(r): float(ns) for r, ns in rows}
 
 
-def fingerprints(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[Fingerprint]:
+def divergent_fingerprints(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[Fingerprint]:
+    """The fingerprints of the (step, kind) cells where ranks disagree: in a job whose ranks agree, none come back."""
     cur = con.execute(
-        "SELECT * FROM dist_fingerprints WHERE run_id = ? AND restart = ? ORDER BY step, kind, rank", [run_id, attempt]
+        """
+        SELECT f.* FROM dist_fingerprints f SEMI JOIN (
+            SELECT step, kind FROM dist_fingerprints WHERE run_id = $run AND restart = $attempt
+            GROUP BY step, kind HAVING count(DISTINCT fingerprint) > 1
+        ) d ON d.step = f.step AND d.kind = f.kind
+        WHERE f.run_id = $run AND f.restart = $attempt ORDER BY f.step, f.kind, f.rank
+        """,
+        {"run": run_id, "attempt": attempt},
     )
     return [Fingerprint(**row) for row in _dicts(cur)]
 
 
-def step_durations(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> dict[int, list[int]]:
+def fingerprint_ranks(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[int]:
     rows = con.execute(
-        "SELECT rank, list(dur_ns ORDER BY step) FROM dist_steps WHERE run_id = ? AND restart = ? GROUP BY rank",
+        "SELECT DISTINCT rank FROM dist_fingerprints WHERE run_id = ? AND restart = ? ORDER BY rank", [run_id, attempt]
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def step_spread(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> dict[int, dict[str, Any]]:
+    """``analysis.step_spread`` per rank in SQL: count, min, max and the one or two middle durations."""
+    rows = con.execute(
+        """
+        SELECT rank, n, mn, mx, l[(n - 1) // 2 + 1], l[n // 2 + 1] FROM (
+            SELECT rank, count(*) AS n, min(dur_ns) AS mn, max(dur_ns) AS mx, list_sort(list(dur_ns)) AS l
+            FROM dist_steps WHERE run_id = ? AND restart = ? GROUP BY rank
+        )
+        """,
         [run_id, attempt],
     ).fetchall()
-    return {int(r): [int(d) for d in durs] for r, durs in rows}
+    out: dict[int, dict[str, Any]] = {}
+    for rank, n, mn, mx, lo, hi in rows:
+        median = int(lo) if n % 2 else (int(lo) + int(hi)) / 2  # as statistics.median of the durations
+        out[int(rank)] = {
+            "steps": int(n),
+            "step_median_s": round(median / 1e9, 6),
+            "step_min_s": round(int(mn) / 1e9, 6),
+            "step_max_s": round(int(mx) / 1e9, 6),
+        }
+    return out
 
 
 def compile_events(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[CompileEvent]:

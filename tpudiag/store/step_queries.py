@@ -36,6 +36,14 @@ def op_span_ns(store: Store, run_id: str) -> tuple[int, int] | None:
     return int(row[0]), int(row[1])
 
 
+def tool_total_ns(store: Store, run_id: str) -> int:
+    """tpudiag's own ns over the whole run."""
+    params = {"run": run_id, "tool": TOOL_RANGE_LIKE, "tool_cat": TOOL_CATEGORY, "wrapper": DISPATCH_WRAPPER}
+    with store.reader() as r:
+        total = r.execute(f"SELECT coalesce(sum(tool_ns), 0) FROM ({_TOOL_EVENTS})", params).fetchone()
+    return int(total[0]) if total else 0
+
+
 def tool_ns_by_step(store: Store, run_id: str) -> tuple[dict[int, int], int]:
     """(step -> tpudiag's own ns inside it, tpudiag's own ns over the whole run)."""
     params = {"run": run_id, "tool": TOOL_RANGE_LIKE, "tool_cat": TOOL_CATEGORY, "wrapper": DISPATCH_WRAPPER}
