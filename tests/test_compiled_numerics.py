@@ -267,19 +267,25 @@ def test_unsupported_torch_falls_back_to_not_checking(tmp_path: Path, monkeypatc
     assert any("compiled regions are not checked" in n for n in summary["notes"])
 
 
-def test_compiled_rows_in_the_store_and_the_report(tmp_path: Path) -> None:
-    _, summary, ops, diffs = _checked(tmp_path, lambda: _train(PLANTED, steps=2))
+def _report_section(tmp_path: Path, summary: dict[str, Any], ops: Any, diffs: Any) -> tuple[Store, dict[str, Any]]:
+    """The run's rows through the real spool + DuckDB store, and the report's numerics section built from it."""
+    import json
+
     store = Store(tmp_path / "s.duckdb")
     run = make_run(id="run", collectors=["numerics"], artifacts_dir=str(tmp_path))
     (tmp_path / "numerics").mkdir(exist_ok=True)
-    import json
-
-    (tmp_path / "numerics" / "settings.json").write_text(json.dumps({"compiled": summary}))
+    (tmp_path / "numerics" / "settings.json").write_text(json.dumps({"compiled": summary}, default=str))
     store_with(store, run, {OpRecord: ops, OpDiff: diffs})
     section = numerics_report.build_section(
         store, {"id": "run", "collectors": ["numerics"], "artifacts_dir": str(tmp_path)}
     )
     assert section is not None
+    return store, section
+
+
+def test_compiled_rows_in_the_store_and_the_report(tmp_path: Path) -> None:
+    _, summary, ops, diffs = _checked(tmp_path, lambda: _train(PLANTED, steps=2))
+    store, section = _report_section(tmp_path, summary, ops, diffs)
     first = section["first_divergence"]
     assert first["region"] == "compiled_node" and first["op"] == "aten.tanh.default" and first["module"] == "layers.1"
     by_region = section["coverage"]["by_region"]
@@ -335,6 +341,37 @@ def test_planted_backward_miscompile_fails_the_gradients_only(tmp_path: Path) ->
     assert "gradient of layers.0.fc.weight" in failing
     assert "gradient of head.weight" not in failing and "gradient of head.bias" not in failing
     assert "gradient of layers.2.fc.weight" in failing
+    # Localised: the backward of the last block's tanh, named exactly, the only originator of the whole run.
+    originators = [d for d in diffs if d.role == "originator"]
+    assert len(originators) == 1
+    node = next(o for o in ops if o.seq == originators[0].seq)
+    assert node.region == "compiled_node" and node.phase == "backward" and node.graph_id == "0/0"
+    assert node.op == "aten.tanh.default" and node.overload == "torch.tanh"
+    assert node.module == "layers.2"
+    assert node.source_loc is not None and node.source_loc.endswith(f"test_compiled_numerics.py:{TANH_LINE}")
+    note = originators[0].note or ""
+    assert "torch.tanh(self.ln(self.fc(x)))" in note and "input layer_norm_2" in note
+    assert originators[0].verdict == "fail"
+    # It sorts before the backward graph row it explains, and the summary says where it was found.
+    graph_bw = min(o.seq for o in ops if o.region == "compiled_graph" and o.phase == "backward" and o.checked)
+    assert node.seq < graph_bw
+    assert summary["localised"] == 1
+    (found,) = summary["localisations"]
+    assert found["phase"] == "backward" and found["node"] == node.fx_node == "tanh_2"
+    assert found["originators"] == 1  # every other divergent gradient was explained as propagated
+    assert any("first diverges at node tanh_2" in n for n in summary["notes"])
+    # The same tables and report as the forward localisation: the node is the run's first divergence.
+    summary.pop("notes")
+    _, section = _report_section(tmp_path, summary, ops, diffs)
+    first = section["first_divergence"]
+    assert (first["region"], first["op"], first["module"], first["phase"]) == (
+        "compiled_node",
+        "aten.tanh.default",
+        "layers.2",
+        "backward",
+    )
+    text = "\n".join(numerics_report.render_section(section))
+    assert "FIRST DIVERGENCE: node tanh_2 (aten.tanh.default) of compiled graph 0/0 in layers.2 (backward)" in text
 
 
 def test_clean_inductor_compile_has_no_divergent_graph(tmp_path: Path) -> None:
