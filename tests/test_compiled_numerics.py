@@ -79,9 +79,10 @@ def _planted_fw(gm: Any, example_inputs: Any) -> Any:
 
 
 def _planted_bw(gm: Any, example_inputs: Any) -> Any:
-    """A backward miscompile: the first tanh_backward of the backward graph scaled by 1.003."""
+    """A backward miscompile: the tanh_backward of ``layers.1`` (the middle block) scaled by 1.003."""
     for n in list(gm.graph.nodes):
-        if n.op == "call_function" and n.target is torch.ops.aten.tanh_backward.default:
+        stack = str(n.meta.get("fwd_nn_module_stack", ""))
+        if n.op == "call_function" and n.target is torch.ops.aten.tanh_backward.default and "layers.1" in stack:
             with gm.graph.inserting_after(n):
                 m = gm.graph.call_function(torch.ops.aten.mul.Tensor, (n, 1.003))
             n.replace_all_uses_with(m)
@@ -336,30 +337,30 @@ def test_planted_backward_miscompile_fails_the_gradients_only(tmp_path: Path) ->
     assert forward and {d.verdict for d in forward} == {"pass"}
     assert summary["divergent_graphs"] == 0 and summary["divergent_backward_graphs"] == 1
     failing = {(d.note or "").split(":")[0] for d in backward if d.verdict == "fail"}
-    # Gradients of everything before the miscompiled tanh_backward (the last block's tanh) are off; the head's
-    # gradients, computed before it in the backward, are not.
-    assert "gradient of layers.0.fc.weight" in failing
+    # Gradients of everything before the miscompiled tanh_backward (the middle block's tanh) are off; those of the
+    # last block and the head, computed before it in the backward, are not.
+    assert "gradient of layers.0.fc.weight" in failing and "gradient of layers.1.fc.weight" in failing
     assert "gradient of head.weight" not in failing and "gradient of head.bias" not in failing
-    assert "gradient of layers.2.fc.weight" in failing
-    # Localised: the backward of the last block's tanh, named exactly, the only originator of the whole run.
+    assert "gradient of layers.2.fc.weight" not in failing
+    # Localised: the backward of the middle block's tanh, named exactly, the only originator of the whole run.
     originators = [d for d in diffs if d.role == "originator"]
     assert len(originators) == 1
     node = next(o for o in ops if o.seq == originators[0].seq)
     assert node.region == "compiled_node" and node.phase == "backward" and node.graph_id == "0/0"
     assert node.op == "aten.tanh.default" and node.overload == "torch.tanh"
-    assert node.module == "layers.2"
+    assert node.module == "layers.1"
     assert node.source_loc is not None and node.source_loc.endswith(f"test_compiled_numerics.py:{TANH_LINE}")
     note = originators[0].note or ""
-    assert "torch.tanh(self.ln(self.fc(x)))" in note and "input layer_norm_2" in note
+    assert "torch.tanh(self.ln(self.fc(x)))" in note and "input layer_norm_1" in note
     assert originators[0].verdict == "fail"
     # It sorts before the backward graph row it explains, and the summary says where it was found.
     graph_bw = min(o.seq for o in ops if o.region == "compiled_graph" and o.phase == "backward" and o.checked)
     assert node.seq < graph_bw
     assert summary["localised"] == 1
     (found,) = summary["localisations"]
-    assert found["phase"] == "backward" and found["node"] == node.fx_node == "tanh_2"
+    assert found["phase"] == "backward" and found["node"] == node.fx_node == "tanh_1"
     assert found["originators"] == 1  # every other divergent gradient was explained as propagated
-    assert any("first diverges at node tanh_2" in n for n in summary["notes"])
+    assert any("first diverges at node tanh_1" in n for n in summary["notes"])
     # The same tables and report as the forward localisation: the node is the run's first divergence.
     summary.pop("notes")
     _, section = _report_section(tmp_path, summary, ops, diffs)
@@ -367,11 +368,11 @@ def test_planted_backward_miscompile_fails_the_gradients_only(tmp_path: Path) ->
     assert (first["region"], first["op"], first["module"], first["phase"]) == (
         "compiled_node",
         "aten.tanh.default",
-        "layers.2",
+        "layers.1",
         "backward",
     )
     text = "\n".join(numerics_report.render_section(section))
-    assert "FIRST DIVERGENCE: node tanh_2 (aten.tanh.default) of compiled graph 0/0 in layers.2 (backward)" in text
+    assert "FIRST DIVERGENCE: node tanh_1 (aten.tanh.default) of compiled graph 0/0 in layers.1 (backward)" in text
 
 
 def test_clean_inductor_compile_has_no_divergent_graph(tmp_path: Path) -> None:
