@@ -375,6 +375,24 @@ def test_planted_backward_miscompile_fails_the_gradients_only(tmp_path: Path) ->
     assert "FIRST DIVERGENCE: node tanh_1 (aten.tanh.default) of compiled graph 0/0 in layers.1 (backward)" in text
 
 
+def test_planted_backward_miscompile_with_dynamic_shapes_is_localised(tmp_path: Path) -> None:
+    # dynamic=True: the region's autograd node takes the graph's tensor inputs only (not its SymInt sizes).
+    plain = _train(PLANTED_BW, dynamic=True)
+    checked, summary, ops, diffs = _checked(tmp_path, lambda: _train(PLANTED_BW, dynamic=True))
+    _same(plain, checked)
+    assert summary["backward_checks"] == 4 and summary["divergent_backward_graphs"] == 1
+    assert not [o for o in ops if o.skip_reason == "grad_layout"]
+    (found,) = summary["localisations"]
+    assert (found["phase"], found["node"], found["module"], found["originators"]) == (
+        "backward",
+        "tanh_1",
+        "layers.1",
+        1,
+    )
+    assert found["source"].endswith(f"test_compiled_numerics.py:{TANH_LINE}")
+    assert len([d for d in diffs if d.role == "originator"]) == 1
+
+
 def test_clean_inductor_compile_has_no_divergent_graph(tmp_path: Path) -> None:
     # Inductor's fused C++ kernels (layer norm + tanh + add, the backward's reductions) against float64: the one
     # backend whose kernels the eager checker cannot see at all.

@@ -147,7 +147,14 @@ def _check(
 
     n_out = len(grad_outputs)
     # Only the plain layout is read: node outputs = the region's outputs, node inputs = the graph's inputs (AOT
-    # puts mutated inputs and aliased bases among the outputs, and may dedupe inputs: those are skipped).
+    # puts mutated inputs and aliased bases among the outputs, and may dedupe inputs: those are skipped).  With
+    # dynamic shapes the node's inputs are the graph's tensor inputs only (its SymInt inputs are not autograd's).
+    tensor_pos = [i for i, x in enumerate(fp64_in) if isinstance(x, torch.Tensor)]
+    if len(grad_inputs) != len(wanted) and len(grad_inputs) == len(tensor_pos):
+        spread: list[Any] = [None] * len(wanted)
+        for i, gr in zip(tensor_pos, grad_inputs, strict=True):
+            spread[i] = gr
+        grad_inputs = spread
     if n_out != len(outs) or len(grad_inputs) != len(wanted):
         g.skipped_bw["grad_layout"] = g.skipped_bw.get("grad_layout", 0) + 1
         return None
