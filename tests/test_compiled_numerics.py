@@ -404,6 +404,55 @@ def test_clean_inductor_compile_has_no_divergent_graph(tmp_path: Path) -> None:
     assert diffs and {d.verdict for d in diffs} == {"pass"} and summary["divergent_graphs"] == 0
 
 
+def _inductor_backward_plant() -> Any:
+    """An Inductor post-grad pass that scales the decomposed tanh_backward of ``layers.1`` by 1.003 (the backward
+    then runs as Inductor's fused C++ kernels, miscompiled)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Plant(CustomGraphPass):  # type: ignore[misc]
+        def __call__(self, graph: Any) -> None:
+            group = [
+                n
+                for n in graph.nodes
+                if str(n.meta.get("original_aten")) == "aten.tanh_backward.default"
+                and "layers.1" in str(n.meta.get("fwd_nn_module_stack", n.meta.get("nn_module_stack", "")))
+            ]
+            for n in [n for n in group if any(u not in group for u in n.users)][:1]:
+                with graph.inserting_after(n):
+                    m = graph.call_function(torch.ops.aten.mul.Tensor, (n, 1.003))
+                n.replace_all_uses_with(m)
+                m.args = (n, 1.003)
+
+        def uuid(self) -> Any:
+            return "tpudiag-test-plant-tanh-backward-layers.1"
+
+    return Plant()
+
+
+@pytest.mark.slow
+def test_inductor_planted_backward_miscompile_is_localised(tmp_path: Path) -> None:
+    # One more Inductor compile (of the tapped graph, with the same pass) localises it; about 30 s on 2 cores.
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(post_grad_custom_pre_pass=_inductor_backward_plant()):
+        _train("inductor", steps=1)  # warms Inductor's caches: both runs below then hit them alike (same counters)
+        plain = _train("inductor", steps=2)
+        checked, summary, _, diffs = _checked(tmp_path, lambda: _train("inductor", steps=2))
+    _same(plain, checked)
+    assert summary["divergent_graphs"] == 0 and summary["divergent_backward_graphs"] == 1
+    (found,) = summary["localisations"]
+    assert (found["phase"], found["node"], found["op"], found["module"], found["originators"]) == (
+        "backward",
+        "tanh_1",
+        "aten.tanh.default",
+        "layers.1",
+        1,
+    )
+    assert found["source"].endswith(f"test_compiled_numerics.py:{TANH_LINE}")
+    (originator,) = [d for d in diffs if d.role == "originator"]
+    assert originator.verdict == "fail"
+
+
 def test_seeded_ops_with_zero_dropout_are_checked(tmp_path: Path) -> None:
     # CPU attention kernels carry the nondeterministic_seeded tag for their dropout_p; at 0 they draw nothing.
     def attend(q: Any, p: float) -> Any:
