@@ -86,3 +86,39 @@ def test_roles_originator_where_the_outgoing_gradients_still_agree() -> None:
     divergent = [(e.producer, e.consumer) in via_max for e in edges]
     roles = taps.edge_roles(edges, divergent, t.through)
     assert roles.get("max_1") == "propagator" and roles.get("add") == "originator"
+
+
+def _inplace(x: Any, w: Any) -> Any:
+    h = x @ w
+    h.mul_(2)  # writes into the matmul's value, which the add below reads
+    return torch.tanh(h + x @ w).sum()
+
+
+def test_in_place_ops_keep_writing_into_their_own_input() -> None:
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(_inplace)
+    inputs = [torch.randn(3, 4), torch.randn(4, 4)]
+    t = taps.tapped_graph(gm, _values(gm, graph_oracle.clone_inputs(inputs)))
+    assert torch.equal(gm(*inputs), t.gm(*inputs, *t.zeros))
+    edges = {(e.producer, e.consumer) for e in t.edges}
+    assert ("matmul", "mul_") not in edges  # the in-place op's own input is not tapped
+    assert ("matmul", "add") in edges and ("matmul_1", "add") in edges
+
+
+def _view_write(x: Any, w: Any) -> Any:
+    h = x @ w
+    v = h.view(-1)
+    v.mul_(2)  # writes into h through a view: a tap on (h -> view) would take the write away from h
+    return torch.tanh(h).sum()
+
+
+def test_a_forward_the_taps_would_change_is_detected_and_not_localised() -> None:
+    from tpudiag.collectors.numerics.compiled.localise_backward import _same_forward
+
+    torch.manual_seed(0)
+    for fn, same in ((_f, True), (_view_write, False)):
+        gm = torch.fx.symbolic_trace(fn)
+        inputs = [torch.randn(4, 5), torch.randn(5, 6)]
+        t = taps.tapped_graph(gm, _values(gm, graph_oracle.clone_inputs(inputs)))
+        original = graph_oracle.replay(gm, graph_oracle.clone_inputs(inputs))
+        assert _same_forward(t, inputs, original) is same

@@ -39,6 +39,38 @@ class Taps:
     through: dict[str, list[str]]  # a node whose value is not one tensor (a tuple) -> its users (getitems)
 
 
+_INPLACE_OPERATORS = {
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.imatmul,
+}
+
+
+def _mutated_arg(node: torch.fx.Node) -> Any:
+    """The argument an in-place node writes into (``x.add_(y)``, ``x += y``, an aten op with a mutable schema), or
+    None."""
+    if not node.args:
+        return None
+    target = node.target
+    if node.op == "call_method":
+        name = str(target)
+    elif node.op == "call_function":
+        if target in _INPLACE_OPERATORS:
+            return node.args[0]
+        schema = getattr(target, "_schema", None)
+        if schema is not None and getattr(schema, "is_mutable", False):
+            return node.args[0]
+        name = getattr(target, "__name__", "")
+    else:
+        return None
+    return node.args[0] if name.endswith("_") and not name.startswith("__") else None
+
+
 def tapped_graph(gm: torch.fx.GraphModule, values: dict[str, Any]) -> Taps:
     """A copy of ``gm`` with a tap on every floating edge into a compute node (``gm`` itself is left as it is).
 
@@ -53,7 +85,10 @@ def tapped_graph(gm: torch.fx.GraphModule, values: dict[str, Any]) -> Taps:
     for node in list(graph.nodes):
         if node.op not in _COMPUTE:
             continue
+        mutated = _mutated_arg(node)
         for producer in list(node.all_input_nodes):
+            if producer is mutated:
+                continue  # an in-place op must still write into its own input, not into a tap
             value = values.get(producer.name)
             if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 continue

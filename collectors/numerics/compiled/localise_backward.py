@@ -31,15 +31,25 @@ from tpudiag.oracle import taps as taps_oracle
 from tpudiag.oracle.outputs import OutputCheck, check_output
 
 
-def _node_values(g: Graph, inputs: list[Any]) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """Every node's value on the failing call at the device dtype (placeholders: the inputs), and the aten ops
-    each node ran."""
+def _node_values(g: Graph, inputs: list[Any]) -> tuple[dict[str, Any], graph_oracle.Replay]:
+    """Every node's value on the failing call at the device dtype (placeholders: the inputs), and the replay (its
+    outputs, the aten ops each node ran)."""
     eager = graph_oracle.replay(g.info.ref, graph_oracle.clone_inputs(inputs), per_node=True, keep=lambda n: True)
     values = dict(eager.node_values)
     placeholders = [n for n in g.info.ref.graph.nodes if n.op == "placeholder"]
     for n, x in zip(placeholders, inputs, strict=False):
         values[n.name] = x
-    return values, eager.node_ops
+    return values, eager
+
+
+def _same_forward(taps: taps_oracle.Taps, inputs: list[Any], eager: graph_oracle.Replay) -> bool:
+    """Whether the tapped graph computes bitwise the original's outputs (taps are ``+ 0``: they do unless a view of
+    a tapped value is written in place)."""
+    again = graph_oracle.replay(taps.gm, [*graph_oracle.clone_inputs(inputs), *taps.zeros]).outputs
+    return len(again) == len(eager.outputs) and all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else True
+        for a, b in zip(again, eager.outputs, strict=True)
+    )
 
 
 def _leaves(inputs: list[Any], wanted: list[bool], zeros: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
@@ -67,10 +77,14 @@ def localise_backward(checker: CompiledChecker, g: Graph) -> bool:
     assert failing is not None
     inputs, wanted, grads = failing["inputs"], failing["wanted"], failing["grad_outputs"]
     with _dynamo_state_kept():
-        values, node_ops = _node_values(g, inputs)
+        values, eager_replay = _node_values(g, inputs)
+        node_ops = eager_replay.node_ops
         taps = taps_oracle.tapped_graph(g.info.ref, values)
         if not taps.edges:
             failing["localised"] = "no floating edge to tap"
+            return False
+        if not _same_forward(taps, inputs, eager_replay):
+            failing["localised"] = "gradient taps change this graph's forward (in-place writes through views)"
             return False
         from torch.utils._python_dispatch import _disable_current_modes
 
