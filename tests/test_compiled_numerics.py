@@ -361,6 +361,17 @@ def test_planted_backward_miscompile_fails_the_gradients_only(tmp_path: Path) ->
     assert found["phase"] == "backward" and found["node"] == node.fx_node == "tanh_1"
     assert found["originators"] == 1  # every other divergent gradient was explained as propagated
     assert any("first diverges at node tanh_1" in n for n in summary["notes"])
+    # A backward repro bundle, runnable with any backend: the clean aot_eager compile's gradients pass.
+    (repro,) = summary["repros"]
+    assert repro.endswith("graph-0_0-backward")
+    proc = subprocess.run(
+        [sys.executable, str(Path(repro) / "repro.py"), "--backend", "aot_eager"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "input gradient" in proc.stdout and proc.stdout.strip().endswith("verdict: pass")
     # The same tables and report as the forward localisation: the node is the run's first divergence.
     summary.pop("notes")
     _, section = _report_section(tmp_path, summary, ops, diffs)

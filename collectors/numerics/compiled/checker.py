@@ -109,6 +109,12 @@ class CompiledChecker:
                         localised += 1
                 except Exception as e:
                     self._on_error("localise_backward", e)
+                try:
+                    from tpudiag.collectors.numerics.compiled.repro_backward import write_backward_repro
+
+                    write_backward_repro(self, g)
+                except Exception as e:
+                    self._on_error("repro_backward", e)
             if g.failing is not None:
                 try:
                     from tpudiag.collectors.numerics.compiled.repro import write_repro
@@ -132,7 +138,9 @@ class CompiledChecker:
             "localised": localised,
             "unsupported": self.unsupported,
             "errors": self.errors[:20],
-            "repros": [g.failing["repro"] for g in self.graphs if g.failing and g.failing.get("repro")],
+            "repros": [
+                f["repro"] for g in self.graphs for f in (g.failing, g.failing_bw) if f is not None and f.get("repro")
+            ],
             "localisations": self._localisations(),
         }
 
