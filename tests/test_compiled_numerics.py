@@ -79,9 +79,10 @@ def _planted_fw(gm: Any, example_inputs: Any) -> Any:
 
 
 def _planted_bw(gm: Any, example_inputs: Any) -> Any:
-    """A backward miscompile: the first tanh_backward of the backward graph scaled by 1.003."""
+    """A backward miscompile: the tanh_backward of ``layers.1`` (the middle block) scaled by 1.003."""
     for n in list(gm.graph.nodes):
-        if n.op == "call_function" and n.target is torch.ops.aten.tanh_backward.default:
+        stack = str(n.meta.get("fwd_nn_module_stack", ""))
+        if n.op == "call_function" and n.target is torch.ops.aten.tanh_backward.default and "layers.1" in stack:
             with gm.graph.inserting_after(n):
                 m = gm.graph.call_function(torch.ops.aten.mul.Tensor, (n, 1.003))
             n.replace_all_uses_with(m)
@@ -267,19 +268,25 @@ def test_unsupported_torch_falls_back_to_not_checking(tmp_path: Path, monkeypatc
     assert any("compiled regions are not checked" in n for n in summary["notes"])
 
 
-def test_compiled_rows_in_the_store_and_the_report(tmp_path: Path) -> None:
-    _, summary, ops, diffs = _checked(tmp_path, lambda: _train(PLANTED, steps=2))
+def _report_section(tmp_path: Path, summary: dict[str, Any], ops: Any, diffs: Any) -> tuple[Store, dict[str, Any]]:
+    """The run's rows through the real spool + DuckDB store, and the report's numerics section built from it."""
+    import json
+
     store = Store(tmp_path / "s.duckdb")
     run = make_run(id="run", collectors=["numerics"], artifacts_dir=str(tmp_path))
     (tmp_path / "numerics").mkdir(exist_ok=True)
-    import json
-
-    (tmp_path / "numerics" / "settings.json").write_text(json.dumps({"compiled": summary}))
+    (tmp_path / "numerics" / "settings.json").write_text(json.dumps({"compiled": summary}, default=str))
     store_with(store, run, {OpRecord: ops, OpDiff: diffs})
     section = numerics_report.build_section(
         store, {"id": "run", "collectors": ["numerics"], "artifacts_dir": str(tmp_path)}
     )
     assert section is not None
+    return store, section
+
+
+def test_compiled_rows_in_the_store_and_the_report(tmp_path: Path) -> None:
+    _, summary, ops, diffs = _checked(tmp_path, lambda: _train(PLANTED, steps=2))
+    store, section = _report_section(tmp_path, summary, ops, diffs)
     first = section["first_divergence"]
     assert first["region"] == "compiled_node" and first["op"] == "aten.tanh.default" and first["module"] == "layers.1"
     by_region = section["coverage"]["by_region"]
@@ -330,11 +337,71 @@ def test_planted_backward_miscompile_fails_the_gradients_only(tmp_path: Path) ->
     assert forward and {d.verdict for d in forward} == {"pass"}
     assert summary["divergent_graphs"] == 0 and summary["divergent_backward_graphs"] == 1
     failing = {(d.note or "").split(":")[0] for d in backward if d.verdict == "fail"}
-    # Gradients of everything before the miscompiled tanh_backward (the last block's tanh) are off; the head's
-    # gradients, computed before it in the backward, are not.
-    assert "gradient of layers.0.fc.weight" in failing
+    # Gradients of everything before the miscompiled tanh_backward (the middle block's tanh) are off; those of the
+    # last block and the head, computed before it in the backward, are not.
+    assert "gradient of layers.0.fc.weight" in failing and "gradient of layers.1.fc.weight" in failing
     assert "gradient of head.weight" not in failing and "gradient of head.bias" not in failing
-    assert "gradient of layers.2.fc.weight" in failing
+    assert "gradient of layers.2.fc.weight" not in failing
+    # Localised: the backward of the middle block's tanh, named exactly, the only originator of the whole run.
+    originators = [d for d in diffs if d.role == "originator"]
+    assert len(originators) == 1
+    node = next(o for o in ops if o.seq == originators[0].seq)
+    assert node.region == "compiled_node" and node.phase == "backward" and node.graph_id == "0/0"
+    assert node.op == "aten.tanh.default" and node.overload == "torch.tanh"
+    assert node.module == "layers.1"
+    assert node.source_loc is not None and node.source_loc.endswith(f"test_compiled_numerics.py:{TANH_LINE}")
+    note = originators[0].note or ""
+    assert "torch.tanh(self.ln(self.fc(x)))" in note and "input layer_norm_1" in note
+    assert originators[0].verdict == "fail"
+    # It sorts before the backward graph row it explains, and the summary says where it was found.
+    graph_bw = min(o.seq for o in ops if o.region == "compiled_graph" and o.phase == "backward" and o.checked)
+    assert node.seq < graph_bw
+    assert summary["localised"] == 1
+    (found,) = summary["localisations"]
+    assert found["phase"] == "backward" and found["node"] == node.fx_node == "tanh_1"
+    assert found["originators"] == 1  # every other divergent gradient was explained as propagated
+    assert any("first diverges at node tanh_1" in n for n in summary["notes"])
+    # A backward repro bundle, runnable with any backend: the clean aot_eager compile's gradients pass.
+    (repro,) = summary["repros"]
+    assert repro.endswith("graph-0_0-backward")
+    proc = subprocess.run(
+        [sys.executable, str(Path(repro) / "repro.py"), "--backend", "aot_eager"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "input gradient" in proc.stdout and proc.stdout.strip().endswith("verdict: pass")
+    # The same tables and report as the forward localisation: the node is the run's first divergence.
+    summary.pop("notes")
+    _, section = _report_section(tmp_path, summary, ops, diffs)
+    first = section["first_divergence"]
+    assert (first["region"], first["op"], first["module"], first["phase"]) == (
+        "compiled_node",
+        "aten.tanh.default",
+        "layers.1",
+        "backward",
+    )
+    text = "\n".join(numerics_report.render_section(section))
+    assert "FIRST DIVERGENCE: node tanh_1 (aten.tanh.default) of compiled graph 0/0 in layers.1 (backward)" in text
+
+
+def test_planted_backward_miscompile_with_dynamic_shapes_is_localised(tmp_path: Path) -> None:
+    # dynamic=True: the region's autograd node takes the graph's tensor inputs only (not its SymInt sizes).
+    plain = _train(PLANTED_BW, dynamic=True)
+    checked, summary, ops, diffs = _checked(tmp_path, lambda: _train(PLANTED_BW, dynamic=True))
+    _same(plain, checked)
+    assert summary["backward_checks"] == 4 and summary["divergent_backward_graphs"] == 1
+    assert not [o for o in ops if o.skip_reason == "grad_layout"]
+    (found,) = summary["localisations"]
+    assert (found["phase"], found["node"], found["module"], found["originators"]) == (
+        "backward",
+        "tanh_1",
+        "layers.1",
+        1,
+    )
+    assert found["source"].endswith(f"test_compiled_numerics.py:{TANH_LINE}")
+    assert len([d for d in diffs if d.role == "originator"]) == 1
 
 
 def test_clean_inductor_compile_has_no_divergent_graph(tmp_path: Path) -> None:
@@ -346,6 +413,55 @@ def test_clean_inductor_compile_has_no_divergent_graph(tmp_path: Path) -> None:
     _same(plain, checked)
     assert summary["graph_checks"] == 3 and summary["backward_checks"] == 3
     assert diffs and {d.verdict for d in diffs} == {"pass"} and summary["divergent_graphs"] == 0
+
+
+def _inductor_backward_plant() -> Any:
+    """An Inductor post-grad pass that scales the decomposed tanh_backward of ``layers.1`` by 1.003 (the backward
+    then runs as Inductor's fused C++ kernels, miscompiled)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Plant(CustomGraphPass):  # type: ignore[misc]
+        def __call__(self, graph: Any) -> None:
+            group = [
+                n
+                for n in graph.nodes
+                if str(n.meta.get("original_aten")) == "aten.tanh_backward.default"
+                and "layers.1" in str(n.meta.get("fwd_nn_module_stack", n.meta.get("nn_module_stack", "")))
+            ]
+            for n in [n for n in group if any(u not in group for u in n.users)][:1]:
+                with graph.inserting_after(n):
+                    m = graph.call_function(torch.ops.aten.mul.Tensor, (n, 1.003))
+                n.replace_all_uses_with(m)
+                m.args = (n, 1.003)
+
+        def uuid(self) -> Any:
+            return "tpudiag-test-plant-tanh-backward-layers.1"
+
+    return Plant()
+
+
+@pytest.mark.slow
+def test_inductor_planted_backward_miscompile_is_localised(tmp_path: Path) -> None:
+    # One more Inductor compile (of the tapped graph, with the same pass) localises it; about 30 s on 2 cores.
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(post_grad_custom_pre_pass=_inductor_backward_plant()):
+        _train("inductor", steps=1)  # warms Inductor's caches: both runs below then hit them alike (same counters)
+        plain = _train("inductor", steps=2)
+        checked, summary, _, diffs = _checked(tmp_path, lambda: _train("inductor", steps=2))
+    _same(plain, checked)
+    assert summary["divergent_graphs"] == 0 and summary["divergent_backward_graphs"] == 1
+    (found,) = summary["localisations"]
+    assert (found["phase"], found["node"], found["op"], found["module"], found["originators"]) == (
+        "backward",
+        "tanh_1",
+        "aten.tanh.default",
+        "layers.1",
+        1,
+    )
+    assert found["source"].endswith(f"test_compiled_numerics.py:{TANH_LINE}")
+    (originator,) = [d for d in diffs if d.role == "originator"]
+    assert originator.verdict == "fail"
 
 
 def test_seeded_ops_with_zero_dropout_are_checked(tmp_path: Path) -> None:

@@ -58,6 +58,7 @@ class Graph:
     checks: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     failing: dict[str, Any] | None = None  # kept inputs and rows of the first failing call
+    failing_bw: dict[str, Any] | None = None  # kept inputs and output gradients of the first failing backward
     divergent_calls: int = 0
     first_seq: int | None = None
     skipped_bw: dict[str, int] = field(default_factory=dict)  # backward checks not made, by reason
@@ -92,21 +93,35 @@ class CompiledChecker:
             self.interceptor.remove()
         localised = 0
         for g in self.graphs:
-            if g.failing is None:
-                continue
-            try:
-                from tpudiag.collectors.numerics.compiled.localise import localise_graph
+            if g.failing is not None:
+                try:
+                    from tpudiag.collectors.numerics.compiled.localise import localise_graph
 
-                if localise_graph(self, g):
-                    localised += 1
-            except Exception as e:
-                self._on_error("localise", e)
-            try:
-                from tpudiag.collectors.numerics.compiled.repro import write_repro
+                    if localise_graph(self, g):
+                        localised += 1
+                except Exception as e:
+                    self._on_error("localise", e)
+            if g.failing_bw is not None:
+                try:
+                    from tpudiag.collectors.numerics.compiled.localise_backward import localise_backward
 
-                write_repro(self, g)
-            except Exception as e:
-                self._on_error("repro", e)
+                    if localise_backward(self, g):
+                        localised += 1
+                except Exception as e:
+                    self._on_error("localise_backward", e)
+                try:
+                    from tpudiag.collectors.numerics.compiled.repro_backward import write_backward_repro
+
+                    write_backward_repro(self, g)
+                except Exception as e:
+                    self._on_error("repro_backward", e)
+            if g.failing is not None:
+                try:
+                    from tpudiag.collectors.numerics.compiled.repro import write_repro
+
+                    write_repro(self, g)
+                except Exception as e:
+                    self._on_error("repro", e)
         for g in self.graphs:
             for reason, n in g.skipped.items():
                 self._row_only(g, reason, calls=n)
@@ -123,15 +138,22 @@ class CompiledChecker:
             "localised": localised,
             "unsupported": self.unsupported,
             "errors": self.errors[:20],
-            "repros": [g.failing["repro"] for g in self.graphs if g.failing and g.failing.get("repro")],
-            "localisations": [
-                {"graph": g.info.compile_id, **g.failing["localised"]}
-                if isinstance(g.failing.get("localised"), dict)
-                else {"graph": g.info.compile_id, "not_localised": g.failing.get("localised")}
-                for g in self.graphs
-                if g.failing
+            "repros": [
+                f["repro"] for g in self.graphs for f in (g.failing, g.failing_bw) if f is not None and f.get("repro")
             ],
+            "localisations": self._localisations(),
         }
+
+    def _localisations(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for g in self.graphs:
+            for phase, failing in (("forward", g.failing), ("backward", g.failing_bw)):
+                if not failing:
+                    continue
+                found = failing.get("localised")
+                head = {"graph": g.info.compile_id, "phase": phase}
+                out.append({**head, **found} if isinstance(found, dict) else {**head, "not_localised": found})
+        return out
 
     # -- interception -----------------------------------------------------------------------------------------
     def _on_error(self, where: str, exc: BaseException) -> None:
@@ -280,8 +302,9 @@ class CompiledChecker:
         eager_outs: list[Any] | None = None
         if need_eager:
             eager_outs = graph_oracle.replay(g.info.ref, eager_in, grad=wanted is not None).outputs
+        armed: dict[str, bool] | None = None
         if backward is not None and wanted is not None:
-            grads.arm(self, g, backward[0], wanted, out, fp64_in, fp64.outputs, eager_in, eager_outs)
+            armed = grads.arm(self, g, backward[0], wanted, out, fp64_in, fp64.outputs, eager_in, eager_outs, snapshot)
         diffs: list[tuple[OutputCheck, OpDiff]] = []
         node_seq = self.ctx.next_seq()  # reserved for the originating node found by localisation
         seq = self.ctx.next_seq()
@@ -297,6 +320,8 @@ class CompiledChecker:
             diffs = self._attribute_precision(g, fp64_in, compiled_out, eager_outs, fp64.outputs, diffs, seq)
         g.checks += 1
         divergent = any(is_divergent(ck.verdict.verdict) for ck, _ in diffs)
+        if armed is not None:
+            armed["forward_divergent"] = divergent
         tensors = [a for a in snapshot if isinstance(a, torch.Tensor)]
         record = OpRecord(
             run_id=self.ctx.run_id,

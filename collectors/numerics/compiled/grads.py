@@ -97,11 +97,15 @@ def arm(
     fp64_out: list[Any],
     eager_in: list[Any],
     eager_out: list[Any] | None,
-) -> None:
+    snapshot: list[Any] | None = None,
+) -> dict[str, bool]:
     """Hook the region's backward: at the script's own backward, compare the compiled input gradients with the
-    float64 and eager VJPs through the reference forwards made at the forward check (kept until then)."""
+    float64 and eager VJPs through the reference forwards made at the forward check (kept until then).  The first
+    failing backward of a graph keeps ``snapshot`` (the call's inputs) and its output gradients for localisation,
+    unless the checker marks the returned state ``forward_divergent``: the gradients of a call whose forward is already
+    off are computed from wrong activations, so the forward's originator explains them."""
     outs = graph_oracle.flat_outputs(out)
-    state = {"done": False}
+    state = {"done": False, "forward_divergent": False}
 
     def hook(grad_inputs: Any, grad_outputs: Any) -> None:
         if state["done"] or not checker.active:
@@ -109,7 +113,11 @@ def arm(
         state["done"] = True
         try:
             t0 = time.perf_counter()
-            _check(checker, g, node, wanted, grad_inputs, grad_outputs, outs, fp64_in, fp64_out, eager_in, eager_out)
+            failed = _check(
+                checker, g, node, wanted, grad_inputs, grad_outputs, outs, fp64_in, fp64_out, eager_in, eager_out
+            )
+            if failed is not None and snapshot is not None and not state["forward_divergent"]:
+                _keep_failing(checker, g, snapshot, wanted, grad_outputs, failed)
             with contextlib.suppress(Exception):
                 checker.ctx.budget.charge(time.perf_counter() - t0, f"compiled_graph {g.info.compile_id}", "graph", 0)
         except Exception as e:
@@ -117,6 +125,7 @@ def arm(
             g.skipped_bw["tpudiag_error"] = g.skipped_bw.get("tpudiag_error", 0) + 1
 
     node.register_hook(hook)
+    return state
 
 
 def _check(
@@ -131,20 +140,28 @@ def _check(
     fp64_out: list[Any],
     eager_in: list[Any],
     eager_out: list[Any] | None,
-) -> None:
+) -> tuple[int, int] | None:
+    """Writes the backward rows; (node seq, graph seq) when some gradient is divergent, else None."""
     from tpudiag.collectors.numerics.compiled.rows import backward_rows
     from tpudiag.oracle.outputs import check_output, floor_check, within_floor
 
     n_out = len(grad_outputs)
     # Only the plain layout is read: node outputs = the region's outputs, node inputs = the graph's inputs (AOT
-    # puts mutated inputs and aliased bases among the outputs, and may dedupe inputs: those are skipped).
+    # puts mutated inputs and aliased bases among the outputs, and may dedupe inputs: those are skipped).  With
+    # dynamic shapes the node's inputs are the graph's tensor inputs only (its SymInt inputs are not autograd's).
+    tensor_pos = [i for i, x in enumerate(fp64_in) if isinstance(x, torch.Tensor)]
+    if len(grad_inputs) != len(wanted) and len(grad_inputs) == len(tensor_pos):
+        spread: list[Any] = [None] * len(wanted)
+        for i, gr in zip(tensor_pos, grad_inputs, strict=True):
+            spread[i] = gr
+        grad_inputs = spread
     if n_out != len(outs) or len(grad_inputs) != len(wanted):
         g.skipped_bw["grad_layout"] = g.skipped_bw.get("grad_layout", 0) + 1
-        return
+        return None
     grads = list(grad_outputs)
     ref64 = _vjp(fp64_out, fp64_in, grads, lambda gr, o: gr.detach().to("cpu", torch.float64))
     if not ref64:
-        return
+        return None
     pairs = [
         (i, c, r)
         for i, (c, r) in enumerate(zip(grad_inputs, ref64, strict=False))
@@ -166,4 +183,15 @@ def _check(
             ck = check_output(c, e, r) if e is not None else None
         if ck is not None:
             checks.append((i, ck))
-    backward_rows(checker, g, checks)
+    return backward_rows(checker, g, checks)
+
+
+def _keep_failing(
+    checker: Any, g: Any, snapshot: list[Any], wanted: list[bool], grad_outputs: Any, seqs: tuple[int, int]
+) -> None:
+    from tpudiag.collectors.numerics.compiled.checker import MAX_LOCALISED
+
+    if g.failing_bw is not None or sum(1 for x in checker.graphs if x.failing_bw is not None) >= MAX_LOCALISED:
+        return
+    kept = [gr.detach().clone() if isinstance(gr, torch.Tensor) else None for gr in grad_outputs]
+    g.failing_bw = {"inputs": snapshot, "wanted": list(wanted), "grad_outputs": kept, "seqs": seqs}

@@ -64,6 +64,8 @@ def target_name(node: Any) -> str:
         return str(t)
     module = getattr(t, "__module__", None) or ""
     name = getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
+    # Torch's C functions are methods of a private class (``_VariableFunctionsClass.tanh``): ``torch.tanh``.
+    name = str(name).removeprefix("_VariableFunctionsClass.")
     if module.startswith("torch._C") or not module:
         module = "torch"
     return f"{module}.{name}" if not str(name).startswith(module) else str(name)

@@ -11,12 +11,14 @@ from tpudiag.analysis.verdict import is_divergent
 from tpudiag.model import OpRecord
 
 
-def backward_rows(checker: Any, g: Any, checks: list[tuple[int, Any]]) -> None:
+def backward_rows(checker: Any, g: Any, checks: list[tuple[int, Any]]) -> tuple[int, int] | None:
     """One ``ops`` row for the region's backward, one ``op_diffs`` row per input gradient (output_index = the
-    graph input it belongs to)."""
+    graph input it belongs to).  Returns (node seq, graph seq) when some gradient is divergent: the node seq is
+    reserved just before the graph's for the node backward localisation may name (so it sorts first)."""
     if not checks:
-        return
+        return None
     ctx = checker.ctx
+    node_seq = ctx.next_seq()
     seq = ctx.next_seq()
     sources = g.info.sources
     record = OpRecord(
@@ -53,6 +55,8 @@ def backward_rows(checker: Any, g: Any, checks: list[tuple[int, Any]]) -> None:
             f"its float64 replay (gradients of {shown}{', ...' if len(bad) > 3 else ''})\n"
         )
         sys.stderr.flush()
+        return node_seq, seq
+    return None
 
 
 def _param_name(source: str | None) -> str:
