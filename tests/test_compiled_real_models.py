@@ -1,5 +1,5 @@
 """A real model compiled under the compiled-region checker: a tiny GPT-2 (transformers, built in code, no download)
-trained for two steps with ``aot_eager`` gives no divergent graph, forward or backward, and the script's results,
+trained for two steps with ``aot_eager`` and with Inductor gives no divergent graph, forward or backward, and the script's results,
 RNG stream and Dynamo counters stay exactly as without the checker."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 from tests.test_compiled_numerics import _checked  # noqa: E402
 
 
-def _train_gpt2(steps: int = 2) -> Any:
+def _train_gpt2(steps: int = 2, backend: str = "aot_eager") -> Any:
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
@@ -26,7 +26,7 @@ def _train_gpt2(steps: int = 2) -> Any:
     )
     model = transformers.GPT2LMHeadModel(config)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model, backend=backend)
     losses = []
     for _ in range(steps):
         ids = torch.randint(0, 64, (2, 8))
@@ -40,12 +40,14 @@ def _train_gpt2(steps: int = 2) -> Any:
 
 
 @pytest.mark.slow
-def test_tiny_gpt2_aot_eager_has_no_divergent_graph_and_is_unchanged(tmp_path: Path) -> None:
-    # About 35 s on 2 cores; the first run also pays transformers' first-call work (Dynamo traces more frames
-    # then), so it is a warm-up and the two compared runs start alike.
-    _train_gpt2(steps=1)
-    plain = _train_gpt2()
-    checked, summary, ops, diffs = _checked(tmp_path, _train_gpt2)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_tiny_gpt2_compiled_has_no_divergent_graph_and_is_unchanged(tmp_path: Path, backend: str) -> None:
+    # aot_eager: about 35 s on 2 cores; Inductor: a few minutes cold (its C++ kernels are built once, then come
+    # from its cache).  The first run also pays transformers' first-call work (Dynamo traces more frames then), so
+    # it is a warm-up and the two compared runs start alike.
+    _train_gpt2(steps=1, backend=backend)
+    plain = _train_gpt2(backend=backend)
+    checked, summary, ops, diffs = _checked(tmp_path, lambda: _train_gpt2(backend=backend))
     losses_a, state_a, counters_a, rng_a = plain
     losses_b, state_b, counters_b, rng_b = checked
     assert all(torch.equal(a, b) for a, b in zip(losses_a, losses_b, strict=True))
