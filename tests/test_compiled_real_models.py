@@ -1,6 +1,6 @@
 """A real model compiled under the compiled-region checker: a tiny GPT-2 (transformers, built in code, no download)
-trained for two steps with ``aot_eager`` and with Inductor gives no divergent graph, forward or backward, and the script's results,
-RNG stream and Dynamo counters stay exactly as without the checker."""
+trained for two steps with ``aot_eager`` and with Inductor gives no divergent graph, forward or backward, and the
+script's results, RNG stream and Dynamo counters stay exactly as without the checker."""
 
 from __future__ import annotations
 
