@@ -33,16 +33,7 @@ def summarize_steps(
     ``tpudiag_s``, with the steady median without it (``steady_median_without_tpudiag_s``).
     """
     if not steps:
-        return {
-            "count": 0,
-            "first_s": None,
-            "steady_median_s": None,
-            "outside_steps_s": None,
-            "kind": None,
-            "steps_s": None,
-            "script_s": script_s,
-            "tpudiag_s": _s(tool_total_ns) if tool_total_ns else None,
-        }
+        return no_steps(script_s, tool_total_ns)
     ordered = sorted(steps, key=lambda s: s.start_ns)
     durs = [s.dur_ns / 1e9 for s in ordered]
     steady = statistics.median(durs[1:]) if len(durs) > 1 else None
@@ -68,6 +59,20 @@ def summarize_steps(
         without = [d - t for d, t in zip(durs, own, strict=True)]
         out["steady_median_without_tpudiag_s"] = round(statistics.median(without[1:]), 6) if len(without) > 1 else None
     return out
+
+
+def no_steps(script_s: float | None, tool_total_ns: int | None) -> dict[str, object]:
+    """The ``steps`` object of a run without steps."""
+    return {
+        "count": 0,
+        "first_s": None,
+        "steady_median_s": None,
+        "outside_steps_s": None,
+        "kind": None,
+        "steps_s": None,
+        "script_s": script_s,
+        "tpudiag_s": _s(tool_total_ns) if tool_total_ns else None,
+    }
 
 
 def _s(ns: int | None) -> float | None:

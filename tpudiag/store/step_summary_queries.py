@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tpudiag.analysis.step_summary import no_steps
 from tpudiag.store.database import Store
 from tpudiag.store.step_queries import _TOOL_EVENTS, DISPATCH_WRAPPER, TOOL_CATEGORY, TOOL_RANGE_LIKE
 
@@ -87,16 +88,7 @@ def summarize(
             ).fetchall()
         ]
         if not count:
-            return {
-                "count": 0,
-                "first_s": None,
-                "steady_median_s": None,
-                "outside_steps_s": None,
-                "kind": None,
-                "steps_s": None,
-                "script_s": script_s,
-                "tpudiag_s": round(tool_total_ns / 1e9, 6) if tool_total_ns else None,
-            }, listed
+            return no_steps(script_s, tool_total_ns), listed
         first_dur, first_kind = con.execute(f"SELECT dur_ns, kind FROM ({_STEPS}) WHERE pos = 1", params).fetchone()  # type: ignore[misc]
         covered = int(con.execute(_UNION, {"run": run_id}).fetchone()[0])  # type: ignore[index]
         steady = _median(con, params, _DOUBLE_S.format("dur_ns"), count - 1)
