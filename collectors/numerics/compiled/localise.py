@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-from tpudiag.analysis.verdict import is_divergent, op_kind
-from tpudiag.collectors.numerics.compiled import nodes as fx_nodes
+from tpudiag.analysis.verdict import is_divergent
 from tpudiag.collectors.numerics.compiled.checker import CompiledChecker, Graph
-from tpudiag.model import OpRecord
+from tpudiag.collectors.numerics.compiled.rows import node_originator_row
 from tpudiag.oracle import graph as graph_oracle
 from tpudiag.oracle.outputs import check_output
 
@@ -100,38 +99,12 @@ def localise_graph(checker: CompiledChecker, g: Graph) -> bool:
         found = first_bad(hi)
     name, ck = found
     node = next(n for n in ref_gm.graph.nodes if n.name == name)
-    aten = fp64.node_ops.get(name) or []
-    op = aten[0] if aten else fx_nodes.target_name(node)
-    module = fx_nodes.module_of(node)
-    source = fx_nodes.source_of(node)
-    rec = checker.ctx.recorder
-    seq = failing["node_seq"]
-    rec.op(
-        OpRecord(
-            run_id=checker.ctx.run_id,
-            seq=seq,
-            op=op,
-            overload=fx_nodes.target_name(node),
-            module=module,
-            phase="forward",
-            source_loc=source,
-            dtypes=f'["{ck.dtype}"]',
-            device=failing["record"].device,
-            checked=True,
-            kind=op_kind(op),
-            region="compiled_node",
-            graph_id=g.info.compile_id,
-            fx_node=name,
-        )
-    )
-    diff = ck.diff(checker.ctx.run_id, seq, 0, role="originator")
-    line = fx_nodes.source_text(node)
     note = f"first divergent node of compiled graph {g.info.compile_id} ({g.info.backend})"
-    if line:
-        note += f": {line}"
-    rec.diffs([_with_note(diff, note + f"; {diff.note}" if diff.note else note)])
-    rec.findings.originators += 1
-    failing["localised"] = {"node": name, "op": op, "module": module, "source": source, "probes": len(probes)}
+    named = node_originator_row(
+        checker, g, node, fp64.node_ops, ck, failing["node_seq"], failing["record"].device, "forward", note
+    )
+    failing["localised"] = {**named, "probes": len(probes)}
+    op, module, source = named["op"], named["module"], named["source"]
     sys_note = checker.ctx.note
     if sys_note is not None:
         sys_note(
@@ -139,9 +112,3 @@ def localise_graph(checker: CompiledChecker, g: Graph) -> bool:
             f"({op}, {module or 'no module'}, {source or 'source unknown'}) after {len(probes)} sub-graph compiles"
         )
     return True
-
-
-def _with_note(diff: Any, note: str) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(diff, note=note)

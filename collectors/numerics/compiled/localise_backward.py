@@ -16,16 +16,14 @@ and the RNG state are put back afterwards, and the script has already finished w
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
-from tpudiag.analysis.verdict import is_divergent, op_kind
-from tpudiag.collectors.numerics.compiled import nodes as fx_nodes
+from tpudiag.analysis.verdict import is_divergent
 from tpudiag.collectors.numerics.compiled.checker import CompiledChecker, Graph
 from tpudiag.collectors.numerics.compiled.localise import _dynamo_state_kept
-from tpudiag.model import OpRecord
+from tpudiag.collectors.numerics.compiled.rows import node_originator_row
 from tpudiag.oracle import graph as graph_oracle
 from tpudiag.oracle import taps as taps_oracle
 from tpudiag.oracle.outputs import OutputCheck, check_output
@@ -131,50 +129,14 @@ def _write_row(
     failing = g.failing_bw
     assert failing is not None
     node = next(n for n in g.info.ref.graph.nodes if n.name == name)
-    aten = node_ops.get(name) or []
-    op = aten[0] if aten else fx_nodes.target_name(node)
-    module = fx_nodes.module_of(node)
-    source = fx_nodes.source_of(node)
     node_seq, _graph_seq = failing["seqs"]
     device = next((str(x.device) for x in failing["inputs"] if isinstance(x, torch.Tensor)), None)
-    run_id = checker.ctx.run_id
-    rec = checker.ctx.recorder
-    rec.op(
-        OpRecord(
-            run_id=run_id,
-            seq=node_seq,
-            op=op,
-            overload=fx_nodes.target_name(node),
-            module=module,
-            phase="backward",
-            source_loc=source,
-            dtypes=f'["{ck.dtype}"]',
-            device=device,
-            checked=True,
-            kind=op_kind(op),
-            region="compiled_node",
-            graph_id=g.info.compile_id,
-            fx_node=name,
-        )
-    )
-    diff = ck.diff(run_id, node_seq, 0, role="originator")
     note = f"first divergent node of the backward of compiled graph {g.info.compile_id} ({g.info.backend}), "
     note += f"gradient with respect to its input {wrt}"
-    line = fx_nodes.source_text(node)
-    if line:
-        note += f": {line}"
-    if n_originators > 1:
-        note += f" ({n_originators - 1} more node(s) start a divergence of their own)"
-    rec.diffs([dataclasses.replace(diff, note=note + (f"; {diff.note}" if diff.note else ""))])
-    rec.findings.originators += 1
-    failing["localised"] = {
-        "node": name,
-        "op": op,
-        "module": module,
-        "source": source,
-        "edges": n_edges,
-        "originators": n_originators,
-    }
+    tail = f" ({n_originators - 1} more node(s) start a divergence of their own)" if n_originators > 1 else ""
+    named = node_originator_row(checker, g, node, node_ops, ck, node_seq, device, "backward", note, tail)
+    failing["localised"] = {**named, "edges": n_edges, "originators": n_originators}
+    op, module, source = named["op"], named["module"], named["source"]
     if checker.ctx.note is not None:
         checker.ctx.note(
             f"numerics: the backward of compiled graph {g.info.compile_id} ({g.info.backend}) first diverges at "

@@ -1,4 +1,5 @@
-"""Rows of a compiled region's backward check (the forward rows are written by ``checker``)."""
+"""Rows of a compiled region's backward check (the forward rows are written by ``checker``), and the row of the
+FX node a localisation names, forward or backward."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 import sys
 from typing import Any
 
-from tpudiag.analysis.verdict import is_divergent
+from tpudiag.analysis.verdict import is_divergent, op_kind
+from tpudiag.collectors.numerics.compiled import nodes as fx_nodes
 from tpudiag.model import OpRecord
 
 
@@ -67,3 +69,50 @@ def _param_name(source: str | None) -> str:
 
     path = module_path(source.replace("._parameters", "").replace("._buffers", ""))
     return path or source.removeprefix("L['").removesuffix("']")
+
+
+def node_originator_row(
+    checker: Any,
+    g: Any,
+    node: Any,
+    node_ops: dict[str, list[str]],
+    ck: Any,
+    seq: int,
+    device: str | None,
+    phase: str,
+    note: str,
+    tail: str = "",
+) -> dict[str, Any]:
+    """Record ``node`` of compiled graph ``g`` as the originator of a divergence: its ``ops`` row (region
+    ``compiled_node``) and its diff, noted ``note``, the node's source line, then ``tail``.  Returns what names it:
+    node, op, module, source."""
+    aten = node_ops.get(node.name) or []
+    op = aten[0] if aten else fx_nodes.target_name(node)
+    module = fx_nodes.module_of(node)
+    source = fx_nodes.source_of(node)
+    run_id = checker.ctx.run_id
+    rec = checker.ctx.recorder
+    rec.op(
+        OpRecord(
+            run_id=run_id,
+            seq=seq,
+            op=op,
+            overload=fx_nodes.target_name(node),
+            module=module,
+            phase=phase,
+            source_loc=source,
+            dtypes=f'["{ck.dtype}"]',
+            device=device,
+            checked=True,
+            kind=op_kind(op),
+            region="compiled_node",
+            graph_id=g.info.compile_id,
+            fx_node=node.name,
+        )
+    )
+    diff = ck.diff(run_id, seq, 0, role="originator")
+    line = fx_nodes.source_text(node)
+    note += (f": {line}" if line else "") + tail
+    rec.diffs([dataclasses.replace(diff, note=note + (f"; {diff.note}" if diff.note else ""))])
+    rec.findings.originators += 1
+    return {"node": node.name, "op": op, "module": module, "source": source}
