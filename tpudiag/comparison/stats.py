@@ -182,11 +182,16 @@ def verdict_of(p_value: float | None, ratio: float | None, p_min: float, unstabl
     return "unstable" if unstable else "no significant change"
 
 
-def compare_samples(a: Samples, b: Samples, alpha: float = ALPHA) -> Difference:
-    """The full comparison of two timing samples (same unit on both sides)."""
+def _medians(a: Samples, b: Samples) -> tuple[float | None, float | None, float | None]:
+    """median A, median B and their ratio B/A (None where a side is empty or A's median is 0)."""
     med_a = float(np.median(a)) if len(a) else None
     med_b = float(np.median(b)) if len(b) else None
-    ratio = med_b / med_a if med_a and med_b is not None else None
+    return med_a, med_b, (med_b / med_a if med_a and med_b is not None else None)
+
+
+def compare_samples(a: Samples, b: Samples, alpha: float = ALPHA) -> Difference:
+    """The full comparison of two timing samples (same unit on both sides)."""
+    med_a, med_b, ratio = _medians(a, b)
     p_min = min_pvalue(len(a), len(b))
     p = mann_whitney(a, b) if len(a) and len(b) else None
     cv_a, cv_b = robust_cv(a), robust_cv(b)
@@ -241,16 +246,18 @@ def block_means(values: Samples, ids: Sequence[int]) -> list[float]:
 def compare_blocked(a: Samples, b: Samples, alpha: float = ALPHA, block_s: float = BLOCK_S) -> Difference:
     """Step times compared: medians and their intervals over the steps, the test, the ratio's interval and the
     verdict over blocks of consecutive steps (``block_ids``)."""
-    per_step = compare_samples(a, b, alpha)
     ma, mb = block_means(a, block_ids(a, block_s)), block_means(b, block_ids(b, block_s))
     blocked = compare_samples(ma, mb, alpha)
+    med_a, med_b, ratio = _medians(a, b)
     return replace(
-        per_step,
-        ratio_ci=blocked.ratio_ci,
-        p_value=blocked.p_value,
-        verdict=blocked.verdict,
-        cv_a=blocked.cv_a,
-        cv_b=blocked.cv_b,
+        blocked,
+        n_a=len(a),
+        n_b=len(b),
+        median_a=med_a,
+        median_b=med_b,
+        ci_a=median_ci(a),
+        ci_b=median_ci(b),
+        ratio=ratio,
         blocks_a=len(ma),
         blocks_b=len(mb),
     )
