@@ -162,7 +162,7 @@ model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 x = torch.randn(64, 128)
 t0 = time.perf_counter()
-for _ in range(150):
+for _ in range(600):
     opt.zero_grad()
     model(x).square().mean().backward()
     opt.step()
@@ -183,9 +183,11 @@ def test_budget_checks_what_it_can_afford_and_stays_near_its_share(tmp_path: Pat
     for _ in range(3):  # interleaved: a busy moment hurts both alike; the fastest of three of each
         plain.append(_loop_s(run_tpudiag("capture", "--db", str(db), "--collect", "none", str(script), cwd=tmp_path)))
         budgeted.append(_loop_s(run_tpudiag("capture", "--db", str(db), *budget_args, cwd=tmp_path)))
-    # Judged from outside, by the script's own clock: 20% extra, plus room for the first step (always watched to
-    # its end) and a busy 2-core machine.
-    assert min(budgeted) <= 1.5 * min(plain), (plain, budgeted)
+    # Judged from outside, by the script's own clock.  600 steps (about 1 s) so the first steps, always watched to
+    # their end (~30 ms), are a few percent, not a sixth, of the loop.  Measured here: the budgeted loop takes
+    # 0.95-1.3x the plain one; a checker that stays attached to every step (checking nothing) 7-9x; with no budget
+    # 13-40x.  Identical processes on this 2-core machine run up to 1.3x apart: the bound is 20% extra times that.
+    assert min(budgeted) <= 1.6 * min(plain), (plain, budgeted)
     cov = _report(tmp_path, db)["numerics"]["coverage"]
     # Checks were affordable (a step takes milliseconds, a check of these ops well under one): some were made,
     # on later steps too (``watched`` below), and not everything (the budget did refuse some).  ~20-30 here.
