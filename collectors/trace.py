@@ -138,8 +138,11 @@ class TraceCollector:
     def stop(self) -> None:
         if self._ctx is None:
             return
+        # The capture may leave the last chunk's analysis to ``finish`` (after the script's exit, off the user's
+        # path).  Not with a TPU session: its events are numbered after the host's.
+        deferred = bool(self._ctx.options.get("defer_analysis")) and self._tpu is None
         try:
-            self._stop_session()
+            self._stop_session(analyse=not deferred)
             if self._tpu is not None:
                 self._events_done += self._tpu.write(self._ctx, first_event_id=self._events_done)
         finally:
@@ -149,9 +152,27 @@ class TraceCollector:
                 f"the script ran its own torch.profiler session {self._user_sessions} time(s); tpudiag's trace "
                 "paused during it (its events are in the script's own trace)"
             )
-        if self._events_done == 0:
-            self._ctx.note("the trace collector recorded no events")
+        if self._events_done == 0 and not deferred:
+            self._ctx.note(NO_EVENTS)
         self._ctx.metadata["trace_files"] = [str(p) for p in self._chunks]
+
+    @staticmethod
+    def finish(ctx: CaptureContext) -> None:
+        """The deferred analysis of the last chunk (``stop`` left it in ``trace/deferred.json``), in any process."""
+        import json
+
+        pending = ctx.run_dir / "trace" / DEFERRED_CHUNK
+        if not pending.exists():
+            return
+        job = json.loads(pending.read_text())
+        path = Path(job["path"])
+        # Parts named after the chunk: a finish retried after its process died rewrites them, never duplicates.
+        events, _steps = _analyse_chunk(
+            ctx, path, job["first_event_id"], job["first_step"], job["sources"], job["roots"], part=path.stem
+        )
+        if job["first_event_id"] + events == 0:
+            ctx.note(NO_EVENTS)
+        pending.unlink()
 
     # -- profiler sessions ------------------------------------------------------------------------------------
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -213,8 +234,9 @@ class TraceCollector:
         self._session_started = self._ctx.clock.monotonic()
         self.profiler = prof
 
-    def _stop_session(self) -> None:
-        """Stop the running session, keep its Chrome trace, and spool its analysed events."""
+    def _stop_session(self, analyse: bool = True) -> None:
+        """Stop the running session, keep its Chrome trace, and spool its analysed events (or, with ``analyse``
+        false, leave them to ``finish``)."""
         import torch
 
         prof, self._prof = self._prof, None
@@ -229,7 +251,10 @@ class TraceCollector:
         path = self._trace_dir / f"kineto-{len(self._chunks):03d}.json"
         prof.export_chrome_trace(str(path))
         self._chunks.append(path)
-        self._write_chunk(path)
+        if analyse:
+            self._write_chunk(path)
+        else:
+            self._defer_chunk(path)
 
     def _patch_user_sessions(self) -> None:
         from torch.autograd import profiler as autograd_profiler
@@ -271,24 +296,59 @@ class TraceCollector:
 
     # -- output -----------------------------------------------------------------------------------------------
     def _write_chunk(self, path: Path) -> None:
-        from tpudiag.traces import kineto
-
         assert self._ctx is not None
-        trace = kineto.load(path)
         roots = self._root_inputs[self._roots_done :]
         self._roots_done = len(self._root_inputs)
-        if len(trace) == 0:
-            return
-        tables = kineto.to_tables(
-            trace,
-            run_id=self._ctx.run_id,
-            first_event_id=self._events_done,
-            first_step=self._steps_done,
-            whole_fallback=self._steps_done == 0,
-            module_sources=self._tracker.sources if self._tracker else None,
-            root_inputs=roots,
-        )
-        self._events_done += len(trace)
-        self._steps_done += len(tables.steps)
-        self._ctx.spool.write_table("trace_events", tables.events)
-        self._ctx.spool.write_table("steps", kineto.steps_table(tables.steps, self._ctx.run_id))
+        sources = self._tracker.sources if self._tracker else None
+        events, steps = _analyse_chunk(self._ctx, path, self._events_done, self._steps_done, sources, roots)
+        self._events_done += events
+        self._steps_done += steps
+
+    def _defer_chunk(self, path: Path) -> None:
+        import json
+
+        assert self._ctx is not None
+        job = {
+            "path": str(path),
+            "first_event_id": self._events_done,
+            "first_step": self._steps_done,
+            "sources": dict(self._tracker.sources) if self._tracker else None,
+            "roots": self._root_inputs[self._roots_done :],
+        }
+        self._roots_done = len(self._root_inputs)
+        tmp = path.parent / f".{DEFERRED_CHUNK}.tmp"
+        tmp.write_text(json.dumps(job))
+        os.replace(tmp, path.parent / DEFERRED_CHUNK)
+
+
+NO_EVENTS = "the trace collector recorded no events"
+DEFERRED_CHUNK = "deferred.json"
+
+
+def _analyse_chunk(
+    ctx: CaptureContext,
+    path: Path,
+    first_event_id: int,
+    first_step: int,
+    sources: dict[str, str] | None,
+    roots: list[str | None],
+    part: str | None = None,
+) -> tuple[int, int]:
+    """Analyse one Chrome trace chunk into the spool (trace_events, steps); how many events and steps it held."""
+    from tpudiag.traces import kineto
+
+    trace = kineto.load(path)
+    if len(trace) == 0:
+        return 0, 0
+    tables = kineto.to_tables(
+        trace,
+        run_id=ctx.run_id,
+        first_event_id=first_event_id,
+        first_step=first_step,
+        whole_fallback=first_step == 0,
+        module_sources=sources,
+        root_inputs=roots,
+    )
+    ctx.spool.write_table("trace_events", tables.events, part=part)
+    ctx.spool.write_table("steps", kineto.steps_table(tables.steps, ctx.run_id), part=part)
+    return len(trace), len(tables.steps)

@@ -275,9 +275,13 @@ def test_concurrent_captures_all_land_and_a_reader_works_meanwhile(tmp_path: Pat
             assert p.stdout is not None
             line = p.stdout.readline().strip()
             assert line == "ready", p.stderr.read() if p.stderr and p.poll() is not None else "no output yet"
-        # While all four run, a reader sees them.
+        # While all four run, a reader sees them: each capture registers its run on its flusher thread as the
+        # script starts (not before it), four writers queue for the lock, so the reader polls a little.
         t0 = time.monotonic()
-        during = _runs(db, tmp_path)
+        during: list[dict] = []
+        while len(during) < 4 and time.monotonic() - t0 < 30:
+            during = _runs(db, tmp_path) if db.exists() else []  # the first registration creates the store
+            time.sleep(0.1)
         assert time.monotonic() - t0 < 30
         assert sorted(r["name"] for r in during) == ["job0", "job1", "job2", "job3"]
         assert {r["status"] for r in during} == {"running"}

@@ -139,6 +139,9 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> Captured:
                 TPUDIAG_TEST_NAME=name,
                 TPUDIAG_TEST_PHASE=",".join(phase),
                 TPUDIAG_TEST_STEPS=str(STEPS[name]),
+                # Stored before each capture exits: no background store write shares the machine with the timed
+                # steps of the next phase.
+                TPUDIAG_WAIT="1",
             )
             env.pop("TPUDIAG_DB", None)
             procs[name] = subprocess.Popen(

@@ -178,10 +178,13 @@ def _loop_s(proc: Any) -> float:
 def test_budget_checks_what_it_can_afford_and_stays_near_its_share(tmp_path: Path, db: Path) -> None:
     script = tmp_path / "affordable.py"
     script.write_text(AFFORDABLE_SCRIPT)
-    budget_args = ("--collect", "numerics", "--numerics", "all", "--budget", "20", str(script))
+    # --wait: each run is stored before the next starts, so no background store write shares the machine with it.
+    budget_args = ("--wait", "--collect", "numerics", "--numerics", "all", "--budget", "20", str(script))
     plain, budgeted = [], []
     for _ in range(3):  # interleaved: a busy moment hurts both alike; the fastest of three of each
-        plain.append(_loop_s(run_tpudiag("capture", "--db", str(db), "--collect", "none", str(script), cwd=tmp_path)))
+        plain.append(
+            _loop_s(run_tpudiag("capture", "--db", str(db), "--wait", "--collect", "none", str(script), cwd=tmp_path))
+        )
         budgeted.append(_loop_s(run_tpudiag("capture", "--db", str(db), *budget_args, cwd=tmp_path)))
     # Judged from outside, by the script's own clock.  600 steps (about 1 s) so the first steps, always watched to
     # their end (~30 ms), are a few percent, not a sixth, of the loop.  Measured here: the budgeted loop takes

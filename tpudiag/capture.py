@@ -1,8 +1,10 @@
 """The capture session: start collectors, run the target as Python would, stop, store the run.
 
 The store is opened only in short write sessions: once to register the run (status ``running``), periodically to
-load spooled parts, and once at the end.  A capture killed with SIGKILL leaves its run ``running`` with its spool on
-disk; the next tpudiag command on that host loads the spool and marks the run ``interrupted``.
+load spooled parts, and once at the end.  That last one, with the analysis of the last trace chunk, runs in a
+detached child once the script's exit status is known (``deferred_store``; ``--wait`` keeps it in this process).
+A capture killed with SIGKILL leaves its run ``running`` with its spool on disk; the next tpudiag command on that
+host loads the spool and marks the run ``interrupted``.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpudiag import environment, internal_errors, runner
+from tpudiag import deferred_store, environment, internal_errors, runner
 from tpudiag.clock import Clock, SystemClock
 from tpudiag.errors import StoreError, TpudiagError, UsageError
+from tpudiag.model import Run
 from tpudiag.plugins import CaptureContext, Collector, load_collectors
-from tpudiag.run_setup import RunStart, begin_run, start_collectors
+from tpudiag.run_setup import RunStart, prepare_run, start_collectors
 from tpudiag.spool import Spool
 from tpudiag.store import Store
 
@@ -34,6 +37,8 @@ class CaptureOptions:
     flush_interval_s: float = field(default_factory=lambda: float(os.environ.get("TPUDIAG_FLUSH_S", "10")))
     collector_options: dict[str, Any] = field(default_factory=dict)
     run_id: str | None = None  # launchers only: the job's run id, the same on every node (distributed/multinode.py)
+    # Store the run before returning; otherwise a detached child stores it after the script's exit (deferred_store).
+    wait: bool = field(default_factory=lambda: os.environ.get("TPUDIAG_WAIT", "") not in ("", "0"))
 
 
 @dataclass
@@ -43,6 +48,7 @@ class CaptureResult:
     status: str
     collectors: list[Collector]
     context: CaptureContext
+    stored: bool  # False: a detached child is storing it (every reader waits for it)
     internal_errors: str | None = None  # the closing line about tpudiag's own failures, if there were any
 
 
@@ -52,15 +58,23 @@ def _warn(text: str) -> None:
 
 
 class _Flusher(threading.Thread):
-    """Loads spooled parts into the store every few seconds while the script runs."""
+    """Registers the run (status ``running``) as the script starts, then loads spooled parts into the store every
+    few seconds while it runs.  Registering on this thread, not before the script, keeps DuckDB's import and open
+    (~0.15 s) from delaying the script's start."""
 
-    def __init__(self, store: Store, run_id: str, spool: Spool, collectors: list[Collector], interval: float):
+    def __init__(self, store: Store, run: Run, spool: Spool, collectors: list[Collector], interval: float):
         super().__init__(name="tpudiag-flusher", daemon=True)
-        self._store, self._run_id, self._spool = store, run_id, spool
+        self._store, self._run, self._run_id, self._spool = store, run, run.id, spool
         self._collectors, self._interval = collectors, interval
         self._stop_event = threading.Event()
+        self.registration_error: TpudiagError | None = None
 
     def run(self) -> None:
+        try:
+            self._store.put_run(self._run, replace=False)  # late (a slow lock): never over the final record
+        except TpudiagError as err:
+            self.registration_error = err  # the capture's own store write meets it again and says so
+            return
         while not self._stop_event.wait(self._interval):
             for c in self._collectors:
                 with contextlib.suppress(Exception):
@@ -79,14 +93,13 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
     # Threads started during set-up (DuckDB's, the profiler's, the flusher) leave SIGINT/SIGTERM to the thread
     # that runs the script.
     with runner.signals_to_main_thread():
-        store = Store(options.db)
+        store = Store(Path(options.db).absolute())  # the script may chdir: every later write must not follow it
+        store.check_file()
         collectors = load_collectors(options.collect)
-        with contextlib.suppress(TpudiagError):
-            store.recover_stale_runs()
 
         script_path = Path(target.name) if target.kind == "script" else Path.cwd()
         name = options.name or (Path(target.name).stem if target.kind == "script" else target.name)
-        run, run_dir = begin_run(store, clock, RunStart(name, target.display, target.args, script_path), collectors)
+        run, run_dir = prepare_run(store, clock, RunStart(name, target.display, target.args, script_path), collectors)
         run_id = run.id
         spool = Spool(run_dir / "spool")
         errors = internal_errors.begin(run_dir)
@@ -94,7 +107,7 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
             run_id=run_id, run_dir=run_dir, spool=spool, options=dict(options.collector_options), clock=clock
         )
         active = start_collectors(collectors, ctx)
-        flusher = _Flusher(store, run_id, spool, active, options.flush_interval_s)
+        flusher = _Flusher(store, run, spool, active, options.flush_interval_s)
         flusher.start()
     from tpudiag.distributed import spawn  # torch.multiprocessing.spawn workers become ranks of this run
 
@@ -107,6 +120,9 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
     if spawned is not None:
         spawned.remove()
     flusher.stop()
+    # Spawned ranks are merged here, below; a store that refused the registration is reported here too.
+    detach = not options.wait and not (spawned is not None and spawned.used) and flusher.registration_error is None
+    ctx.options["defer_analysis"] = detach
 
     for c in reversed(active):
         try:
@@ -129,34 +145,36 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
         + list(ctx.notes)
         + ([f"script ended with {outcome.error}"] if outcome.error else []),
     )
-    with store.writer() as w:
-        store.finish_run(run_id, spool.directory, con=w)
-        store.put_run(final, con=w)
+    if detach and deferred_store.hand_off(store, final, run_dir):
+        return CaptureResult(run_id, outcome.exit_code, outcome.status, active, ctx, False, errors_line)
+    if detach:  # no child could start: the deferred work is done here
+        deferred_store.write_run_file(run_dir, final)
+        final = deferred_store.finish(store, run_id)
+    else:
+        with store.writer() as w:
+            store.finish_run(run_id, spool.directory, con=w)
+            store.put_run(final, con=w)
     if spawned is not None:
         final = spawn.merge_ranks(store, final, run_dir)
     with contextlib.suppress(OSError):
-        _remove_empty_tree(spool.directory)
-    return CaptureResult(run_id, outcome.exit_code, outcome.status, active, ctx, errors_line)
-
-
-def _remove_empty_tree(folder: Path) -> None:
-    if not folder.is_dir():
-        return
-    for sub in folder.iterdir():
-        if sub.is_dir():
-            _remove_empty_tree(sub)
-    folder.rmdir()
+        deferred_store.remove_empty_tree(spool.directory)
+    return CaptureResult(run_id, outcome.exit_code, outcome.status, active, ctx, True, errors_line)
 
 
 def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
     """The capture command's body: capture, print the one closing line, return the script's exit code."""
-    from tpudiag.distributed import launch
+    from tpudiag.distributed.launcher_target import is_launcher, normalize
 
-    target = launch.normalize(target)
-    if options.run_id and not launch.is_launcher(target):
+    target = normalize(target)
+    if options.run_id and not is_launcher(target):
         raise UsageError("--run-id joins the nodes of one distributed job: needs torchrun (-m torch.distributed.run)")
     try:
-        result = launch.capture_launcher(target, options) if launch.is_launcher(target) else capture(target, options)
+        if is_launcher(target):
+            from tpudiag.distributed import launch
+
+            result = launch.capture_launcher(target, options)
+        else:
+            result = capture(target, options)
     except StoreError as err:
         # The script may already have run; its data stays in the spool for the next command to recover.
         _warn(str(err))
@@ -165,5 +183,6 @@ def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
         _warn(result.internal_errors)
     for note in result.context.notes:
         _warn(f"note: {note}")
-    _warn(f"run {result.run_id} ({result.status}, exit {result.exit_code}) stored in {options.db}")
+    later = "" if result.stored else " in the background (tpudiag commands wait for it)"
+    _warn(f"run {result.run_id} ({result.status}, exit {result.exit_code}) stored in {options.db}{later}")
     return result.exit_code

@@ -12,7 +12,7 @@ import tpudiag
 from tpudiag.errors import TpudiagError, UsageError
 
 CAPTURE_VALUE_OPTIONS = {"--db", "--name", "--collect", "--numerics", "--budget", "--ops", "--modules", "--run-id"}
-CAPTURE_FLAG_OPTIONS = {"--with-stack", "-h", "--help"}
+CAPTURE_FLAG_OPTIONS = {"--with-stack", "--wait", "-h", "--help"}
 
 
 def _add_db(p: argparse.ArgumentParser) -> None:
@@ -96,6 +96,8 @@ def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
         db=resolve_db_path(args.db), name=args.name, collect=collect, collector_options=collector_options,
         run_id=args.run_id,
     )  # fmt: skip
+    if args.wait:
+        options.wait = True
     return run_capture_cli(target, options)
 
 
@@ -147,7 +149,9 @@ def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
 Command = Callable[[argparse.Namespace, list[str]], int]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extra_commands: bool = True) -> argparse.ArgumentParser:
+    """The command line; ``extra_commands`` false leaves out the subcommands that live in their own modules (a
+    capture needs none of them, and importing them costs ~0.15 s before the script starts)."""
     parser = argparse.ArgumentParser(
         prog="tpudiag",
         description="Which ops are slow, which ops give different numbers than a CPU reference, and what "
@@ -165,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="name of the run (default: the script's name)")
     p.add_argument("--collect", help="comma-separated collectors, or none (default: every available one)")
     p.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="store the run before exiting (default: the script's exit status returns at once and the last "
+        "trace analysis and store write finish in the background; every tpudiag command waits for them; "
+        "also TPUDIAG_WAIT=1)",
+    )
     p.add_argument(
         "--run-id",
         metavar="ID",
@@ -208,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=20, help="how many slow ops to list (default 20)")
     p.set_defaults(func=cmd_report)
 
-    for register in EXTRA_COMMANDS:
+    for register in EXTRA_COMMANDS if extra_commands else []:
         _load_register(register)(sub)
     return parser
 
@@ -234,7 +245,7 @@ def _load_register(spec: str) -> Callable[[Any], None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(extra_commands=argv[:1] != ["capture"])
     rest: list[str] = []
     if argv and argv[0] == "capture":
         own, rest = _split_capture_argv(argv[1:])

@@ -66,6 +66,10 @@ class Collector(Protocol):
         """Write what was collected so far to the spool (called periodically during long runs)."""
         ...
 
+    # Optional ``finish(ctx)``: work ``stop`` left in ``ctx.run_dir`` for later, run after the script's exit status
+    # is known, possibly in another process and on a fresh instance (tpudiag/deferred_store.py).  Only a capture
+    # that sets ``ctx.options["defer_analysis"]`` before ``stop`` gets it; otherwise ``stop`` does everything.
+
 
 def _load(spec: str) -> Callable[[], Collector]:
     module_name, _, attr = spec.partition(":")
@@ -77,6 +81,18 @@ def _load(spec: str) -> Callable[[], Collector]:
 def available_factories() -> dict[str, str]:
     """Every known collector name -> its "module:attr" spec (built-ins first, then third-party plugins)."""
     return entry_point_specs(ENTRY_POINT_GROUP)
+
+
+def deferred_finishers(names: list[str]) -> list[tuple[str, Callable[[CaptureContext], None]]]:
+    """The ``finish`` of each named collector that has one (names no longer installed are passed over)."""
+    specs = available_factories()
+    finishers: list[tuple[str, Callable[[CaptureContext], None]]] = []
+    for name in names:
+        if name in specs:
+            work = getattr(_load(specs[name])(), "finish", None)
+            if callable(work):
+                finishers.append((name, work))
+    return finishers
 
 
 def load_collectors(names: list[str] | None) -> list[Collector]:

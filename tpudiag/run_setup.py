@@ -36,10 +36,16 @@ class RunStart:
 
 def begin_run(store: Store, clock: Clock, start: RunStart, collectors: Sequence[Collector]) -> tuple[Run, Path]:
     """Register a new run (status ``running``) and create its folder; its record and its folder."""
+    run, run_dir = prepare_run(store, clock, start, collectors)
+    store.put_run(run)
+    return run, run_dir
+
+
+def prepare_run(store: Store, clock: Clock, start: RunStart, collectors: Sequence[Collector]) -> tuple[Run, Path]:
+    """A new run's record and its folder, created; the record is not stored yet (the caller registers it)."""
     run = new_run(store, clock, start, collectors)
     run_dir = Path(run.artifacts_dir or store.run_dir(run.id))
     run_dir.mkdir(parents=True, exist_ok=True)
-    store.put_run(run)
     return run, run_dir
 
 

@@ -10,12 +10,12 @@ import itertools
 import os
 import threading
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from tpudiag.model import BULK_TABLES, arrow_schema, records_to_arrow
+
+if TYPE_CHECKING:  # Arrow loads on the first part written, not with the capture (~0.2 s before the script)
+    import pyarrow as pa
 
 
 class Spool:
@@ -24,17 +24,20 @@ class Spool:
         self._counter = itertools.count()
         self._lock = threading.Lock()
 
-    def write_table(self, table: str, data: pa.Table) -> Path | None:
+    def write_table(self, table: str, data: pa.Table, part: str | None = None) -> Path | None:
+        """Spool ``data`` as one part of ``table``.  ``part`` names it (work that may run twice, e.g. a store write
+        retried after its process died, writes the same part again instead of a second copy)."""
         if table not in BULK_TABLES:
             raise ValueError(f"unknown table {table!r}")
         if data.num_rows == 0:
             return None
         data = data.cast(arrow_schema(BULK_TABLES[table]))
-        with self._lock:
-            n = next(self._counter)
+        if part is None:
+            with self._lock:
+                part = f"{os.getpid()}-{next(self._counter):06d}"
         folder = self.directory / table
         folder.mkdir(parents=True, exist_ok=True)
-        return write_parquet(data, folder / f"{os.getpid()}-{n:06d}.parquet")
+        return write_parquet(data, folder / f"{part}.parquet")
 
     def write_records(self, cls: type[Any], records: list[Any]) -> Path | None:
         if not records:
@@ -45,6 +48,8 @@ class Spool:
 def write_parquet(data: pa.Table, final: Path) -> Path:
     """Write ``data`` to ``final`` atomically: a reader sees the whole file or none (a hidden temporary file in
     the same folder, then a rename)."""
+    import pyarrow.parquet as pq
+
     tmp = final.parent / f".{final.name}.tmp"
     pq.write_table(data, tmp, compression="zstd")
     os.replace(tmp, final)

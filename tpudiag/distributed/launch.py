@@ -33,22 +33,7 @@ from tpudiag.spool import Spool
 from tpudiag.store import Store
 from tpudiag.store import distributed_queries as q
 
-LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-LAUNCHER_SCRIPTS = ("torchrun",)
 UNREACHED_FLAGS = ("--run-path", "--run_path", "--no-python", "--no_python")
-
-
-def normalize(target: runner.Target) -> runner.Target:
-    """``torchrun ...`` given as the script (the console script's name, not a file here) is the module."""
-    if target.kind == "script" and target.name in LAUNCHER_SCRIPTS and not Path(target.name).exists():
-        return runner.Target("module", "torch.distributed.run", target.args)
-    if target.kind == "script" and Path(target.name).name in LAUNCHER_SCRIPTS and Path(target.name).is_file():
-        return runner.Target("module", "torch.distributed.run", target.args)
-    return target
-
-
-def is_launcher(target: runner.Target) -> bool:
-    return target.kind == "module" and target.name in LAUNCHER_MODULES
 
 
 def write_wrapper(run_dir: Path, python: str, node: str = "") -> Path:
@@ -133,7 +118,7 @@ def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureR
             live = still_running[0]
             with store.writer() as w:  # the record points at a live node: stale-run recovery leaves it alone
                 q.set_run_owner(w, run_id, str(live.get("host")), int(live.get("pid") or 0))
-            return CaptureResult(run_id, outcome.exit_code, "running", [], ctx)
+            return CaptureResult(run_id, outcome.exit_code, "running", [], ctx, True)
         final = multinode.combine(final, node.outcomes())
     final = merge.store_merged(store, final, lambda w: merge.finish(store, final, run_dir, con=w))
-    return CaptureResult(run_id, outcome.exit_code, final.status, [], ctx)
+    return CaptureResult(run_id, outcome.exit_code, final.status, [], ctx, True)

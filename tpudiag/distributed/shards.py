@@ -18,13 +18,14 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
+from typing import TYPE_CHECKING, Any
 
 from tpudiag.distributed.records import DIST_RECORDS
 from tpudiag.model import BULK_TABLES, arrow_schema, records_to_arrow
 from tpudiag.spool import Spool, write_parquet
+
+if TYPE_CHECKING:  # Arrow loads with the first shard, not with every capture (the spawn wrapper imports this)
+    import pyarrow as pa
 
 PATH_COLUMNS = ("run_id", "rank")
 SHARD_TABLES: dict[str, type[Any]] = {**BULK_TABLES, **{c.TABLE: c for c in DIST_RECORDS}}
@@ -32,6 +33,8 @@ SHARD_TABLES: dict[str, type[Any]] = {**BULK_TABLES, **{c.TABLE: c for c in DIST
 
 def shard_schema(table: str) -> pa.Schema:
     """The columns of a shard file: the table's, less the partition columns, plus ``restart``."""
+    import pyarrow as pa
+
     schema = arrow_schema(SHARD_TABLES[table])
     fields = [f for f in schema if f.name not in PATH_COLUMNS]
     if "restart" not in schema.names:
@@ -49,6 +52,8 @@ def partition_dir(root: Path, table: str, run_id: str, rank: int) -> Path:
 
 def to_shard(table: str, data: pa.Table, attempt: int) -> pa.Table:
     """A table's rows in shard form (partition columns dropped, ``restart`` set where the table has none)."""
+    import pyarrow as pa
+
     data = data.cast(arrow_schema(SHARD_TABLES[table]))
     data = data.drop_columns([c for c in PATH_COLUMNS if c in data.column_names])
     if "restart" not in data.column_names:
@@ -70,17 +75,17 @@ class ShardSpool(Spool):
             return self.directory / table
         return partition_dir(self.root, table, self.run_id, self.rank)
 
-    def write_table(self, table: str, data: pa.Table) -> Path | None:
+    def write_table(self, table: str, data: pa.Table, part: str | None = None) -> Path | None:
         if table not in SHARD_TABLES:
             raise ValueError(f"unknown table {table!r}")
         if data.num_rows == 0:
             return None
         shard = to_shard(table, data, self.attempt)
         with self._lock:
-            n = next(self._counter)
+            name = f"a{self.attempt}-{part or f'{os.getpid()}-{next(self._counter):06d}'}"
             folder = self._folder(table)
             folder.mkdir(parents=True, exist_ok=True)
-            return write_parquet(shard, folder / f"a{self.attempt}-{os.getpid()}-{n:06d}.parquet")
+            return write_parquet(shard, folder / f"{name}.parquet")
 
     def write_records(self, cls: type[Any], records: list[Any]) -> Path | None:
         if not records:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpudiag import runner
-from tpudiag.distributed import merge
 from tpudiag.distributed.identity import RankIdentity
 from tpudiag.distributed.session import WorkerConfig, WorkerSession
 from tpudiag.model import Run
@@ -56,6 +55,7 @@ class SpawnPatch:
     def __init__(self, config: WorkerConfig, note: Callable[[str], None]) -> None:
         self._config, self._note = config, note
         self._saved: list[tuple[Any, Any]] = []
+        self.used = False  # the script started workers through it
 
     def install(self) -> None:
         import importlib
@@ -66,6 +66,7 @@ class SpawnPatch:
         original = spawn_module.start_processes
         config_json = self._config.to_env()
         note = self._note
+        patch = self
 
         @functools.wraps(original)
         def start_processes(
@@ -76,6 +77,7 @@ class SpawnPatch:
             daemon: bool = False,
             start_method: str = "spawn",
         ) -> Any:
+            patch.used = True
             if start_method == "fork":
                 note("torch.multiprocessing workers started with start_method='fork' were not captured")
             else:
@@ -120,6 +122,8 @@ def merge_ranks(store: Store, run: Run, run_dir: Path) -> Run:
 
     The run's own tables keep the parent process's data, relabelled rank -1 (it is not a rank of the job).
     """
+    from tpudiag.distributed import merge  # here: the wrapper is installed in every capture, before its script
+
     if not merge.has_shards(run_dir):
         return run
     from tpudiag.store import distributed_queries

@@ -66,6 +66,18 @@ class Store:
     def exists(self) -> bool:
         return self.path.exists()
 
+    def check_file(self) -> None:
+        """Fail now, without loading DuckDB, when the path holds something that is not a DuckDB file."""
+        try:
+            with open(self.path, "rb") as f:
+                head = f.read(12)
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            raise StoreError(f"cannot open store {self.path}: {err.strerror}") from None
+        if head and head[8:12] != b"DUCK":
+            raise StoreError(f"{self.path} is not a tpudiag store (not a DuckDB database file)")
+
     # -- connections ------------------------------------------------------------------------------------------
     def _open(self, read_only: bool) -> duckdb.DuckDBPyConnection:
         import duckdb  # here, not at the top: commands that never open the store (--help) skip its import
@@ -109,7 +121,12 @@ class Store:
             con.close()
 
     @contextlib.contextmanager
-    def reader(self) -> Iterator[duckdb.DuckDBPyConnection]:
+    def reader(self, settle: bool = True) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A read-only connection, once every run being stored in the background is stored (``settle``)."""
+        if settle:
+            from tpudiag import deferred_store
+
+            deferred_store.settle(self)
         if not self.path.exists():
             raise StoreError(f"no store at {self.path} (capture a run first: tpudiag capture script.py)")
         con = self._open(read_only=True)
@@ -167,11 +184,12 @@ class Store:
             con.execute("COMMIT")
 
     # -- runs -------------------------------------------------------------------------------------------------
-    def put_run(self, run: Run, con: duckdb.DuckDBPyConnection | None = None) -> None:
-        """Insert or replace a run row."""
+    def put_run(self, run: Run, con: duckdb.DuckDBPyConnection | None = None, replace: bool = True) -> None:
+        """Insert or replace a run row (``replace`` false: never over a row already there)."""
         names = column_names(Run)
         values = [json.dumps(getattr(run, n)) if n in _JSON_RUN_FIELDS else getattr(run, n) for n in names]
-        sql = f"INSERT OR REPLACE INTO runs ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})"
+        verb = "INSERT OR REPLACE" if replace else "INSERT OR IGNORE"
+        sql = f"{verb} INTO runs ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)})"
         if con is not None:
             con.execute(sql, values)
             return
@@ -245,13 +263,19 @@ class Store:
         """Mark runs whose capture process died (SIGKILL, os._exit) as interrupted, loading their spooled tail."""
         if not self.path.exists():
             return []
+        from tpudiag import deferred_store
+
         host = socket.gethostname()
-        with self.reader() as r:
+        with self.reader(settle=False) as r:  # a capture starting does not wait for the last one's store write
             rows = r.execute(
                 "SELECT id, pid, started_at, artifacts_dir FROM runs WHERE status = 'running' AND host = ?",
                 [host],
             ).fetchall()
-        stale = [(rid, pid, started, adir) for rid, pid, started, adir in rows if pid and not _alive(pid)]
+        stale = [
+            (rid, pid, started, adir)
+            for rid, pid, started, adir in rows
+            if pid and not _alive(pid) and not deferred_store.is_pending(self, rid)  # its script did finish
+        ]
         if not stale:
             return []
         with self.writer() as w:
