@@ -186,11 +186,13 @@ def test_budget_checks_what_it_can_afford_and_stays_near_its_share(tmp_path: Pat
             _loop_s(run_tpudiag("capture", "--db", str(db), "--wait", "--collect", "none", str(script), cwd=tmp_path))
         )
         budgeted.append(_loop_s(run_tpudiag("capture", "--db", str(db), *budget_args, cwd=tmp_path)))
-    # Judged from outside, by the script's own clock.  600 steps (about 1 s) so the first steps, always watched to
-    # their end (~30 ms), are a few percent, not a sixth, of the loop.  Measured here: the budgeted loop takes
-    # 0.95-1.3x the plain one; a checker that stays attached to every step (checking nothing) 7-9x; with no budget
-    # 13-40x.  Identical processes on this 2-core machine run up to 1.3x apart: the bound is 20% extra times that.
-    assert min(budgeted) <= 1.6 * min(plain), (plain, budgeted)
+    # Judged from outside, by the script's own clock, this only tells a working budget from a broken one: on the
+    # 2-core CI machine three identical plain runs of this loop took 0.77, 1.10 and 1.41 s, so no bound near the
+    # 20% asked for survives it (per-window step medians drift 1.7-3.1 ms inside one plain run).  Measured here: a
+    # working budget costs 1.0-1.3x the plain loop when the machine holds still, up to 1.9x when it does not; a
+    # checker left on every step (checking nothing) 7-9x; no budget 13-40x.  The 20% itself is held by the
+    # collector's own accounting, asserted below.
+    assert min(budgeted) <= 2.5 * min(plain), (plain, budgeted)
     cov = _report(tmp_path, db)["numerics"]["coverage"]
     # Checks were affordable (a step takes milliseconds, a check of these ops well under one): some were made,
     # on later steps too (``watched`` below), and not everything (the budget did refuse some).  ~20-30 here.
