@@ -267,6 +267,7 @@ def test_concurrent_captures_all_land_and_a_reader_works_meanwhile(tmp_path: Pat
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env={**os.environ, "TPUDIAG_FLUSH_S": "0.2"},
         )
         for i in range(4)
     ]
@@ -275,8 +276,8 @@ def test_concurrent_captures_all_land_and_a_reader_works_meanwhile(tmp_path: Pat
             assert p.stdout is not None
             line = p.stdout.readline().strip()
             assert line == "ready", p.stderr.read() if p.stderr and p.poll() is not None else "no output yet"
-        # While all four run, a reader sees them: each capture registers its run on its flusher thread as the
-        # script starts (not before it), four writers queue for the lock, so the reader polls a little.
+        # While all four run, a reader sees them: each capture registers its run at its first flush (every 0.2 s
+        # here, TPUDIAG_FLUSH_S), not before its script; four writers queue for the lock, so the reader polls.
         t0 = time.monotonic()
         during: list[dict] = []
         while len(during) < 4 and time.monotonic() - t0 < 30:
@@ -332,4 +333,7 @@ def test_tpudiag_db_environment_variable_selects_the_store(tmp_path: Path) -> No
     target = tmp_path / "via-env.duckdb"
     out = run_tpudiag("capture", *NO_COLLECTORS, "s.py", cwd=tmp_path, env={"TPUDIAG_DB": str(target)})
     assert out.returncode == 0, out.stderr
+    listed = run_tpudiag("runs", "--json", cwd=tmp_path, env={"TPUDIAG_DB": str(target)})  # waits for the store write
+    assert listed.returncode == 0, listed.stderr
+    assert [r["name"] for r in json.loads(listed.stdout)] == ["s"]
     assert target.exists() and not (tmp_path / "tpudiag.duckdb").exists()

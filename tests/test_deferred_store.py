@@ -4,6 +4,7 @@ stored by the next reader instead of being lost or marked interrupted."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -114,6 +115,8 @@ def orphaned_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path,
 
     monkeypatch.setattr(deferred_store, "_start_child", lambda *args: None)
     db = tmp_path / "s.duckdb"
+    with Store(db).writer():  # a store with other runs in it (this short run is registered by its store write)
+        pass
     result = capture(Target("script", str(_script(tmp_path)), ()), CaptureOptions(db=db, collect=["trace"]))
     assert result.exit_code == 0 and not result.stored
     assert deferred_store.is_pending(Store(db), result.run_id)
@@ -148,8 +151,11 @@ def test_a_pending_run_of_a_dead_capture_is_stored_not_marked_interrupted(orphan
     db, run_id = orphaned_run
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     store = Store(db)
-    with store.writer() as w:  # the capture process is gone, as after any detached capture
-        w.execute("UPDATE runs SET pid = ? WHERE id = ?", [int(dead.stdout), run_id])
+    # Registered at a flush by a capture process that is gone now, as after any detached capture.
+    final = deferred_store.read_run_file(store.run_dir(run_id))
+    store.put_run(dataclasses.replace(final, status="running", exit_code=None, pid=int(dead.stdout)))
+    with store.reader(settle=False) as con:
+        assert con.execute("SELECT status FROM runs WHERE id = ?", [run_id]).fetchall() == [("running",)]
     assert store.recover_stale_runs() == []
     got = _stored(db, run_id)
     assert got["status"] == "ok" and got["steps"] == STEPS

@@ -58,9 +58,10 @@ def _warn(text: str) -> None:
 
 
 class _Flusher(threading.Thread):
-    """Registers the run (status ``running``) as the script starts, then loads spooled parts into the store every
-    few seconds while it runs.  Registering on this thread, not before the script, keeps DuckDB's import and open
-    (~0.15 s) from delaying the script's start."""
+    """Every few seconds while the script runs (``TPUDIAG_FLUSH_S``, 10): registers the run (status ``running``) the
+    first time, then loads spooled parts into the store.  A script shorter than that never loads DuckDB in its own
+    process (its store write after the script registers it): DuckDB's import and open (~0.15 s, most of it holding
+    the GIL) neither delay the script's start nor slow its first steps."""
 
     def __init__(self, store: Store, run: Run, spool: Spool, collectors: list[Collector], interval: float):
         super().__init__(name="tpudiag-flusher", daemon=True)
@@ -70,12 +71,15 @@ class _Flusher(threading.Thread):
         self.registration_error: TpudiagError | None = None
 
     def run(self) -> None:
-        try:
-            self._store.put_run(self._run, replace=False)  # late (a slow lock): never over the final record
-        except TpudiagError as err:
-            self.registration_error = err  # the capture's own store write meets it again and says so
-            return
+        registered = False
         while not self._stop_event.wait(self._interval):
+            if not registered:
+                try:
+                    self._store.put_run(self._run, replace=False)  # late (a slow lock): never over the final record
+                except TpudiagError as err:
+                    self.registration_error = err  # the capture's own store write meets it again and says so
+                    return
+                registered = True
             for c in self._collectors:
                 with contextlib.suppress(Exception):
                     c.flush()
