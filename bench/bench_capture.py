@@ -19,6 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from tpudiag import deferred_store
+from tpudiag.store import Store
+
 BENCH = Path(__file__).resolve().parent
 WORKLOAD = BENCH / "workloads" / "mlp_loop.py"
 WALL_TARGET = 1.08  # DESIGN §6: whole process vs a plain torch.profiler session that exports its trace
@@ -47,18 +50,10 @@ def _run(mode: str, work: Path) -> tuple[float, float]:
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     wall = time.perf_counter() - t0
     if mode == "tpudiag":
-        _wait_for_background_store(work / "b.runs" / ".pending")
+        # The capture returned once the script's status was known; the next round must not share the machine
+        # with its detached store write: wait for it as every reader does.
+        deferred_store.settle(Store(work / "b.duckdb"))
     return float(out.read_text()), wall
-
-
-def _wait_for_background_store(pending: Path, limit_s: float = 120.0) -> None:
-    """The capture returns once the script's status is known and stores the run in a detached child
-    (tpudiag/deferred_store.py); the next round must not share the machine with it."""
-    deadline = time.monotonic() + limit_s
-    while pending.is_dir() and any(pending.iterdir()):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the background store write did not finish within {limit_s:g} s")
-        time.sleep(0.05)
 
 
 def main() -> dict[str, object]:

@@ -316,9 +316,10 @@ class TraceCollector:
             "roots": self._root_inputs[self._roots_done :],
         }
         self._roots_done = len(self._root_inputs)
-        tmp = path.parent / f".{DEFERRED_CHUNK}.tmp"
-        tmp.write_text(json.dumps(job))
-        os.replace(tmp, path.parent / DEFERRED_CHUNK)
+        from tpudiag.atomic_file import atomic_file
+
+        with atomic_file(path.parent / DEFERRED_CHUNK, "w") as fh:
+            json.dump(job, fh)
 
 
 NO_EVENTS = "the trace collector recorded no events"

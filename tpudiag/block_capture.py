@@ -79,9 +79,7 @@ def capture_block(
             notes=([f"{internal_errors.NOTE_PREFIX} {line}"] if (line := errors.closing_line()) else [])
             + list(ctx.notes),
         )
-        with store.writer() as w:
-            store.finish_run(run_id, spool.directory, con=w)
-            store.put_run(final, con=w)
+        store.store_finished(final, spool.directory)
 
     handle._stop = finish
     try:

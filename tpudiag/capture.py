@@ -155,9 +155,7 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
         deferred_store.write_run_file(run_dir, final)
         final = deferred_store.finish(store, run_id)
     else:
-        with store.writer() as w:
-            store.finish_run(run_id, spool.directory, con=w)
-            store.put_run(final, con=w)
+        store.store_finished(final, spool.directory)
     if spawned is not None:
         final = spawn.merge_ranks(store, final, run_dir)
     with contextlib.suppress(OSError):

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tpudiag.atomic_file import atomic_file
 from tpudiag.errors import StoreLockedError, TpudiagError
 from tpudiag.model import Run
 
@@ -44,9 +45,8 @@ def pending_dir(store: Store) -> Path:
 
 def write_run_file(run_dir: Path, run: Run) -> None:
     """The run's final record, written atomically (a reader sees all of it or nothing)."""
-    tmp = run_dir / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(dataclasses.asdict(run)))
-    os.replace(tmp, run_dir / RUN_FILE)
+    with atomic_file(run_dir / RUN_FILE, "w") as fh:
+        json.dump(dataclasses.asdict(run), fh)
 
 
 def read_run_file(run_dir: Path) -> Run:
@@ -103,9 +103,7 @@ def finish(store: Store, run_id: str) -> Run:
             except Exception as err:
                 ctx.note(f"collector {name} failed while finishing: {err}")
         run = dataclasses.replace(run, notes=list(run.notes) + [n for n in ctx.notes if n not in run.notes])
-        with store.writer() as w:
-            store.finish_run(run_id, spool.directory, con=w)
-            store.put_run(run, con=w)
+        store.store_finished(run, spool.directory)
     finally:
         _finishing.discard(run_id)
     with contextlib.suppress(OSError):

@@ -189,24 +189,33 @@ def _medians(a: Samples, b: Samples) -> tuple[float | None, float | None, float 
     return med_a, med_b, (med_b / med_a if med_a and med_b is not None else None)
 
 
+def _sample_summary(a: Samples, b: Samples) -> dict[str, Any]:
+    """The fields of a ``Difference`` that describe the samples themselves: counts, medians, their intervals, the
+    ratio of the medians."""
+    med_a, med_b, ratio = _medians(a, b)
+    return {
+        "n_a": len(a),
+        "n_b": len(b),
+        "median_a": med_a,
+        "median_b": med_b,
+        "ci_a": median_ci(a),
+        "ci_b": median_ci(b),
+        "ratio": ratio,
+    }
+
+
 def compare_samples(a: Samples, b: Samples, alpha: float = ALPHA) -> Difference:
     """The full comparison of two timing samples (same unit on both sides)."""
-    med_a, med_b, ratio = _medians(a, b)
+    summary = _sample_summary(a, b)
     p_min = min_pvalue(len(a), len(b))
     p = mann_whitney(a, b) if len(a) and len(b) else None
     cv_a, cv_b = robust_cv(a), robust_cv(b)
     unstable = any(cv is not None and cv >= UNSTABLE_CV for cv in (cv_a, cv_b))
     return Difference(
-        n_a=len(a),
-        n_b=len(b),
-        median_a=med_a,
-        median_b=med_b,
-        ci_a=median_ci(a),
-        ci_b=median_ci(b),
-        ratio=ratio,
+        **summary,
         ratio_ci=ratio_ci(a, b),
         p_value=p,
-        verdict=verdict_of(p, ratio, p_min, unstable, alpha),
+        verdict=verdict_of(p, summary["ratio"], p_min, unstable, alpha),
         cv_a=cv_a,
         cv_b=cv_b,
     )
@@ -247,20 +256,7 @@ def compare_blocked(a: Samples, b: Samples, alpha: float = ALPHA, block_s: float
     """Step times compared: medians and their intervals over the steps, the test, the ratio's interval and the
     verdict over blocks of consecutive steps (``block_ids``)."""
     ma, mb = block_means(a, block_ids(a, block_s)), block_means(b, block_ids(b, block_s))
-    blocked = compare_samples(ma, mb, alpha)
-    med_a, med_b, ratio = _medians(a, b)
-    return replace(
-        blocked,
-        n_a=len(a),
-        n_b=len(b),
-        median_a=med_a,
-        median_b=med_b,
-        ci_a=median_ci(a),
-        ci_b=median_ci(b),
-        ratio=ratio,
-        blocks_a=len(ma),
-        blocks_b=len(mb),
-    )
+    return replace(compare_samples(ma, mb, alpha), **_sample_summary(a, b), blocks_a=len(ma), blocks_b=len(mb))
 
 
 def sample_count(d: dict[str, Any]) -> str:

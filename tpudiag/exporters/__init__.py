@@ -10,13 +10,10 @@ or none, never a truncated one.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 from tpudiag.entry_points import entry_point_specs
 from tpudiag.errors import UsageError
@@ -53,20 +50,6 @@ def load_exporter(name: str) -> Exporter:
     cls = getattr(importlib.import_module(module_name), attr)
     exporter: Exporter = cls()
     return exporter
-
-
-@contextlib.contextmanager
-def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
-    """Write ``path`` through a temporary sibling renamed into place on success (removed on failure)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, mode) as fh:
-            yield fh
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
 
 
 def safe_name(text: str) -> str:

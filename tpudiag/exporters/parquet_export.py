@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import tpudiag
-from tpudiag.exporters import ExportOptions, atomic_file
+from tpudiag.atomic_file import atomic_file
+from tpudiag.exporters import ExportOptions
 from tpudiag.progress import Progress
 from tpudiag.store import SCHEMA_VERSION, Store
 from tpudiag.store import export_queries as q

@@ -19,7 +19,8 @@ import json
 from pathlib import Path
 from typing import IO, Any, cast
 
-from tpudiag.exporters import ExportOptions, atomic_file, safe_name
+from tpudiag.atomic_file import atomic_file
+from tpudiag.exporters import ExportOptions, safe_name
 from tpudiag.progress import Progress
 from tpudiag.store import Store
 from tpudiag.store import export_queries as q

@@ -29,7 +29,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tpudiag.exporters import ExportOptions, atomic_file, safe_name
+from tpudiag.atomic_file import atomic_file
+from tpudiag.exporters import ExportOptions, safe_name
 from tpudiag.exporters.xline_encoding import StatColumn, encode_line_events
 from tpudiag.progress import Progress
 from tpudiag.store import Store

@@ -245,6 +245,12 @@ class Store:
         self.summarize_run(run_id, con)
         return rows
 
+    def store_finished(self, run: Run, spool_dir: Path) -> None:
+        """A finished run in one transaction: its last spooled parts, its op summary and its final record."""
+        with self.writer() as w:
+            self.finish_run(run.id, spool_dir, con=w)
+            self.put_run(run, con=w)
+
     def summarize_run(self, run_id: str, con: duckdb.DuckDBPyConnection) -> None:
         """(Re)build the run's rows of ``op_summary`` from its trace events (call when a run is finished)."""
         con.execute("DELETE FROM op_summary WHERE run_id = ?", [run_id])
