@@ -11,7 +11,10 @@ from typing import Any
 import tpudiag
 from tpudiag.errors import TpudiagError, UsageError
 
-CAPTURE_VALUE_OPTIONS = {"--db", "--name", "--collect", "--numerics", "--budget", "--ops", "--modules", "--run-id"}
+CAPTURE_VALUE_OPTIONS = {
+    "--db", "--name", "--collect", "--numerics", "--budget", "--ops", "--modules", "--run-id",
+    "--trace", "--trace-schedule", "--max-disk",
+}  # fmt: skip
 CAPTURE_FLAG_OPTIONS = {"--with-stack", "--wait", "-h", "--help"}
 
 
@@ -36,6 +39,26 @@ def _percent(text: str) -> float:
         return budget_percent(text)
     except UsageError as err:
         raise argparse.ArgumentTypeError(str(err).removeprefix("--budget ")) from None
+
+
+def _trace_schedule(text: str) -> str:
+    from tpudiag.longrun.schedule import parse
+
+    try:
+        parse(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--trace-schedule ")) from None
+    return text
+
+
+def _size(text: str) -> str:
+    from tpudiag.longrun.analyst import parse_size
+
+    try:
+        parse_size(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--max-disk ")) from None
+    return text
 
 
 def _split_capture_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -88,7 +111,7 @@ def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
         if collect == ["none"]:
             collect = []
     collector_options: dict[str, Any] = {"with_stack": args.with_stack}
-    for key in ("numerics", "budget", "ops", "modules"):
+    for key in ("numerics", "budget", "ops", "modules", "trace", "trace_schedule", "max_disk"):
         value = getattr(args, key, None)
         if value is not None:
             collector_options[key] = value
@@ -205,6 +228,26 @@ def build_parser(extra_commands: bool = True) -> argparse.ArgumentParser:
         metavar="PATTERNS",
         help="numerics: check only ops inside these modules (comma-separated paths or globs, e.g. transformer.h.0)",
     )
+    p.add_argument(
+        "--trace",
+        choices=["windows", "all"],
+        help="windows (default): a pulse of every step, the profiler on for the first steps, now and then, and "
+        "when a trigger fires (slow step, recompile, non-finite, manual...); all: one trace of the whole run",
+    )
+    p.add_argument(
+        "--trace-schedule",
+        metavar="SPEC",
+        type=_trace_schedule,
+        help="when scheduled windows open: wait=W,warmup=U,active=A,repeat=R (steps, as torch.profiler.schedule) "
+        "or every=120s,active=5 (the default)",
+    )
+    p.add_argument(
+        "--max-disk",
+        metavar="SIZE",
+        type=_size,
+        help="cap on the trace windows' files (default 2GB): scheduled windows are pruned first, anomaly windows "
+        "kept, the pulse always kept",
+    )
     p.set_defaults(func=cmd_capture)
 
     p = sub.add_parser("runs", help="list the runs in the store, newest first")
@@ -232,6 +275,7 @@ EXTRA_COMMANDS: list[str] = [
     "tpudiag.commands.repro:register",
     "tpudiag.commands.compare:register",
     "tpudiag.commands.check:register",
+    "tpudiag.commands.trigger:register",
 ]
 
 

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from tpudiag.longrun import control
 from tpudiag.plugins import CaptureContext
 
 PROGRESS_INTERVAL_TTY_S = 0.5
@@ -441,12 +442,20 @@ class NumericsCollector:
             self._recorder.aggregate(mode.seq, op, phase, None, "budget", flops[1] * n / max(flops[0], 1), None, n)
         mode.spent_calls = {}
         mode.step_calls = {}
+        if st.watching and st.background_step and st.plain_s is not None:
+            st.background.charge(took - st.plain_s)
         st.step += 1
-        want = st.schedule.wants(st.step) or st.rewatch
+        boost = control.numerics_wanted()  # a trigger window covers the next step: every op checked
+        want = st.schedule.wants(st.step) or st.rewatch or boost
+        periodic = not boost and not st.rewatch and st.schedule.periodic(st.step)
         if st.rewatch:
             st.schedule.steady = False  # new inputs: keep watching until a watched step meets nothing new
             st.rewatch = False
         affordable = budget.affords(st.watch_cost_s, now - mode.started)
+        if periodic and budget.pct is None:
+            affordable = st.background.affords(st.watch_cost_s, now)
+        st.background_step = periodic
+        mode.sampler.begin_step(boost, periodic)
         st.watching = want and affordable
         st.reason = "steady_state" if not want else "budget"
         st.partial = False
@@ -481,6 +490,8 @@ class NumericsCollector:
         self._ctx.spool.write_records(OpDiff, diffs)
 
     def _announce(self, record: Any, diff: Any) -> None:
+        # After warm-up a divergence opens a trace window (rate-limited by the trace collector's plan).
+        control.request("numerics", detail=f"{record.op} seq {record.seq} ({record.module or 'no module'}): {diff.verdict}")
         if self._recorder.findings.originators == 1:
             self._clear_progress()
             sys.stderr.write(
@@ -549,7 +560,7 @@ class _StepState:
     """Where the step schedule stands (see ``sampling.StepSchedule``)."""
 
     def __init__(self) -> None:
-        from tpudiag.collectors.numerics.sampling import StepSchedule
+        from tpudiag.collectors.numerics.sampling import Background, StepSchedule
 
         self.schedule = StepSchedule()
         self.step = 0
@@ -569,6 +580,8 @@ class _StepState:
         self.budget_detaches = 0
         self.rewatch = False  # the root module saw new input shapes/dtypes while unwatched: watch the next step
         self.rewatches = 0
+        self.background = Background()  # periodic re-check steps without --budget (issue 21)
+        self.background_step = False  # the current step is one
 
 
 def _input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
