@@ -172,6 +172,25 @@ class LongRunMixin:
             self._worker.kick()
         return job
 
+    def _pause_window(self) -> None:
+        """The script starts a profiler session of its own: the open window ends here (its part is kept)."""
+        self._paused = self._plan.open
+        self._close_window()
+
+    def _resume_window(self) -> None:
+        """... and the rest of that window opens again as a new window once the script's session is over."""
+        paused, self._paused = getattr(self, "_paused", None), None
+        plan = self._plan
+        if paused is None or plan.open is not None or plan.disabled is not None:
+            return
+        from tpudiag.collectors.windows import Window
+
+        plan.next = Window(
+            plan.count, paused.reason, self._pulse.step, paused.end_step, paused.deadline_s, paused.numerics,
+            paused.detail,
+        )  # fmt: skip
+        self._open_window()
+
     def _degrade(self, why: str) -> None:
         assert self._ctx is not None
         if self._plan.disabled is None:

@@ -315,8 +315,7 @@ class TraceCollector(LongRunMixin):
                 collector._paused_for_user = True
                 with internal_errors.current().guard("trace", "pause for the script's profiler"):
                     if collector._plan is not None:
-                        collector._paused_for_user = False  # windows: later windows open on their own
-                        collector._close_window()
+                        collector._pause_window()
                     else:
                         collector._stop_session()
             return orig_prepare(prof_self)
@@ -326,7 +325,10 @@ class TraceCollector(LongRunMixin):
             if collector._paused_for_user and prof_self is not collector._own_inner:
                 collector._paused_for_user = False
                 with internal_errors.current().guard("trace", "resume after the script's profiler"):
-                    collector._start_session()
+                    if collector._plan is not None:
+                        collector._resume_window()
+                    else:
+                        collector._start_session()
             return result
 
         self._patches = [(cls, "_prepare_trace", orig_prepare), (cls, "__exit__", orig_exit)]
