@@ -180,8 +180,12 @@ class PulseRecorder:
         import torch
 
         try:
-            with torch.no_grad():
-                if step % FULL_EVERY == 0:
+            # Inside a trace window the check's ops sit in a ``tpudiag::`` range: tpudiag's own time, never ranked
+            # among the script's ops.
+            traced = torch._C._autograd._profiler_enabled()
+            scope = torch.autograd.profiler.record_function("tpudiag::pulse") if traced else contextlib.nullcontext()
+            with torch.no_grad(), scope:
+                if step % FULL_EVERY == FULL_EVERY - 1:
                     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
                     if not grads:
                         self._check = None

@@ -52,6 +52,8 @@ SECTIONS: dict[str, str] = {
     "numerics": "tpudiag.numerics_report:build_section:render_section",
     "hlo_ops": "tpudiag.hlo_report:build_section:render_section",
     "distributed": "tpudiag.distributed.report_section:build_section:render_section",
+    "pulse": "tpudiag.longrun.report_section:build_pulse:render_pulse",
+    "windows": "tpudiag.longrun.report_section:build_windows:render_windows",
 }
 
 
