@@ -8,6 +8,7 @@ more windows, or no more pulse), never the script.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,8 @@ class LongRunMixin:
             first_s=float(ctx.options.get("first_s") or schedule.FIRST_S),
         )
         cap = analyst.DiskCap(analyst.parse_size(ctx.options["max_disk"])) if ctx.options.get("max_disk") else None
-        limit = triggers.RateLimit(float(ctx.options.get("trigger_interval_s") or triggers.MIN_INTERVAL_S))
+        interval = ctx.options.get("trigger_interval_s") or os.environ.get("TPUDIAG_TRIGGER_INTERVAL_S")
+        limit = triggers.RateLimit(float(interval or triggers.MIN_INTERVAL_S))
         self._plan = WindowPlan(
             sched, cap or analyst.DiskCap(), limit, int(ctx.options.get("trigger_steps") or 5), time.monotonic()
         )
@@ -105,11 +107,14 @@ class LongRunMixin:
         """At the first root forward after a step: close and open windows as planned."""
         plan, pulse = self._plan, self._pulse
         t0 = time.perf_counter_ns()
+        closing = None
         if plan.close_next:
+            closing = plan.open.window_id if plan.open is not None else None
             self._close_window()
         if plan.next is not None and plan.disabled is None:
             self._open_window()
-        pulse.window_id = plan.open.window_id if plan.open is not None else None
+        # The step that closes a window pays for its export: it is counted as part of that window.
+        pulse.window_id = plan.open.window_id if plan.open is not None else closing
         pulse.add_own(time.perf_counter_ns() - t0)
 
     def _open_window(self) -> None:

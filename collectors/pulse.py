@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -84,7 +85,8 @@ class PulseRecorder:
         self._small: dict[int, Any] = {}  # optimizer id -> the parameter whose gradient is summed every step
         self.ring: deque[tuple[Any, ...]] = deque(maxlen=RING)
         self._batch: list[tuple[Any, ...]] = []
-        self.slow = SlowSteps()
+        factor = ctx.options.get("slow_factor") or os.environ.get("TPUDIAG_SLOW_FACTOR")
+        self.slow = SlowSteps(factor=float(factor)) if factor else SlowSteps()
         self.window_id: int | None = None  # set by the window planner while a window is open
         self.nonfinite_steps = 0
         self.rows = 0

@@ -10,7 +10,7 @@ SLOW_FACTOR = 4.0  # k: a step slower than k x the rolling median
 SLOW_MIN_EXTRA_S = 0.005  # ... and at least this much slower (jitter of a millisecond step is not an anomaly)
 MEDIAN_WINDOW = 64  # steps in the rolling median
 MEDIAN_EVERY = 16  # the median is recomputed every this many steps (sorting 64 values costs a few microseconds)
-WARMUP_STEPS = 30  # no trigger fires before this many steps (compiles, allocator growth, caches)
+WARMUP_STEPS = 100  # no trigger fires before this many steps (compiles, allocator growth, caches)
 MIN_INTERVAL_S = 30.0  # between two trigger windows (a manual trigger is never held back)
 MAX_PER_REASON = 20  # trigger windows of one reason in a run; then that reason only counts
 
