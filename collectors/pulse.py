@@ -141,7 +141,8 @@ class PulseRecorder:
         if compiles[2] > g0:
             fired.append(("graph_break", f"graph break at step {step}: {control.compile_detail() or ''}".rstrip(": ")))
         median = self.slow.median_s
-        if self.slow.check(dur / 1e9) and median:
+        # Steps inside a window (and the one that closes it) pay for the profiler and the checker: not a signal.
+        if self.window_id is None and self.slow.check(dur / 1e9) and median:
             fired.append(
                 (
                     "slow_step",

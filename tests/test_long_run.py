@@ -25,7 +25,9 @@ import pytest
 from tests.conftest import REPO, run_tpudiag
 
 LOOP = REPO / "tests" / "long_scripts" / "long_loop.py"
-ENV = {"TPUDIAG_TRIGGER_INTERVAL_S": "4", "TPUDIAG_SLOW_FACTOR": "6"}
+# Triggers 4 s apart at most; a slow step is 15x the median (the planted sort is ~50x; a busy shared machine's
+# jitter stays below).
+ENV = {"TPUDIAG_TRIGGER_INTERVAL_S": "4", "TPUDIAG_SLOW_FACTOR": "15"}
 
 
 def _script_result(stdout: str) -> dict[str, Any]:
@@ -69,12 +71,14 @@ def test_a_long_loop_keeps_a_pulse_and_opens_windows_for_its_anomalies(tmp_path:
     assert [w["id"] for w in windows] == sorted(w["id"] for w in windows)
     slow = _by_reason(windows, "slow_step")
     assert slow, [(w["reason"], w["first_step"]) for w in windows]
-    first_slow = slow[0]
-    assert slow_from < first_slow["first_step"] <= slow_from + 3, (slow_from, first_slow)
+    planted = [w for w in slow if slow_from < w["first_step"] <= slow_from + 3]
+    assert planted, (slow_from, [(w["first_step"], w["detail"]) for w in slow])
+    first_slow = planted[0]
     assert first_slow["top_ops"][0]["name"] == "aten::sort", first_slow["top_ops"]
     assert first_slow["numerics"] is True
     recompile = _by_reason(windows, "recompile")
-    assert recompile and recompile[0]["first_step"] == script["recompile_step"] + 1, (script, recompile)
+    # The recompile ran after step N's optimizer step: counted in step N+1, its window opens at N+2.
+    assert recompile and recompile[0]["first_step"] == script["recompile_step"] + 2, (script, recompile)
     assert _by_reason(windows, "schedule"), [w["reason"] for w in windows]
     manual = _by_reason(windows, "manual")
     assert manual and manual[0]["first_step"] == 401 and manual[0]["last_step"] == 403, manual
@@ -82,7 +86,7 @@ def test_a_long_loop_keeps_a_pulse_and_opens_windows_for_its_anomalies(tmp_path:
         assert w["trace_events"] > 0 and w["end_s"] > w["start_s"]
 
     # Bounded: RSS flat over the last two thirds of the run; the trace files far below the cap.
-    growth_mb = (script["rss_end_kb"] - script["rss_third_kb"]) / 1024
+    growth_mb = (script["current_end_kb"] - script["current_third_kb"]) / 1024
     assert growth_mb < 100, script
     run_dir = Path(data["run"]["artifacts_dir"])
     trace_bytes = sum(p.stat().st_size for p in (run_dir / "trace").glob("*.json"))

@@ -442,8 +442,11 @@ class NumericsCollector:
             self._recorder.aggregate(mode.seq, op, phase, None, "budget", flops[1] * n / max(flops[0], 1), None, n)
         mode.spent_calls = {}
         mode.step_calls = {}
-        if st.watching and st.background_step and st.plain_s is not None:
-            st.background.charge(took - st.plain_s)
+        if st.watching and st.plain_s is not None:
+            if st.background_step:
+                st.background.charge(took - st.plain_s)
+            elif st.boost_step:
+                st.boost_budget.charge(took - st.plain_s)
         st.step += 1
         boost = control.numerics_wanted()  # a trigger window covers the next step: every op checked
         want = st.schedule.wants(st.step) or st.rewatch or boost
@@ -454,7 +457,10 @@ class NumericsCollector:
         affordable = budget.affords(st.watch_cost_s, now - mode.started)
         if periodic and budget.pct is None:
             affordable = st.background.affords(st.watch_cost_s, now)
+        elif boost and budget.pct is None:
+            affordable = st.boost_budget.affords(st.watch_cost_s, now - mode.started)
         st.background_step = periodic
+        st.boost_step = boost and not periodic
         mode.sampler.begin_step(boost, periodic)
         st.watching = want and affordable
         st.reason = "steady_state" if not want else "budget"
@@ -560,7 +566,7 @@ class _StepState:
     """Where the step schedule stands (see ``sampling.StepSchedule``)."""
 
     def __init__(self) -> None:
-        from tpudiag.collectors.numerics.sampling import Background, StepSchedule
+        from tpudiag.collectors.numerics.sampling import BOOST_PCT, Background, StepSchedule
 
         self.schedule = StepSchedule()
         self.step = 0
@@ -582,6 +588,8 @@ class _StepState:
         self.rewatches = 0
         self.background = Background()  # periodic re-check steps without --budget (issue 21)
         self.background_step = False  # the current step is one
+        self.boost_budget = Background(pct=BOOST_PCT, since_s=0.0)  # trigger windows' steps without --budget
+        self.boost_step = False
 
 
 def _input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:

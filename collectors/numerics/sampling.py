@@ -243,6 +243,8 @@ class StepSchedule:
 # Without --budget, periodic re-check steps in steady state spend at most this share of the time since the run
 # became steady (a watched step costs several plain ones: every 50th step unthrottled would cost ~10% for ever).
 BACKGROUND_PCT = 1.0
+# Without --budget, the steps of trigger windows (numerics fully on) spend at most this share of the run's time.
+BOOST_PCT = 5.0
 
 
 @dataclass
