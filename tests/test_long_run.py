@@ -25,9 +25,9 @@ import pytest
 from tests.conftest import REPO, run_tpudiag
 
 LOOP = REPO / "tests" / "long_scripts" / "long_loop.py"
-# Triggers 4 s apart at most; a slow step is 15x the median (the planted sort is ~50x; a busy shared machine's
-# jitter stays below).
-ENV = {"TPUDIAG_TRIGGER_INTERVAL_S": "4", "TPUDIAG_SLOW_FACTOR": "15"}
+# Triggers 4 s apart at most; a slow step is 8x the median (the planted sort is ~50x on a quiet machine, ~15x on a
+# busy one).
+ENV = {"TPUDIAG_TRIGGER_INTERVAL_S": "4", "TPUDIAG_SLOW_FACTOR": "8"}
 
 
 def _script_result(stdout: str) -> dict[str, Any]:
@@ -71,7 +71,8 @@ def test_a_long_loop_keeps_a_pulse_and_opens_windows_for_its_anomalies(tmp_path:
     assert [w["id"] for w in windows] == sorted(w["id"] for w in windows)
     slow = _by_reason(windows, "slow_step")
     assert slow, [(w["reason"], w["first_step"]) for w in windows]
-    planted = [w for w in slow if slow_from < w["first_step"] <= slow_from + 3]
+    # Opened during the planted run of slow steps (at its first step, unless a jitter window held the rate limit).
+    planted = [w for w in slow if slow_from < w["first_step"] < slow_from + 30]
     assert planted, (slow_from, [(w["first_step"], w["detail"]) for w in slow])
     first_slow = planted[0]
     assert first_slow["top_ops"][0]["name"] == "aten::sort", first_slow["top_ops"]
