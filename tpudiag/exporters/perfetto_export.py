@@ -6,7 +6,8 @@ ui.perfetto.dev and chrome://tracing open it.  Contents:
   event with nanosecond decimals, ``args`` holding module, phase, input shapes/dtypes, step, self time, ids
   and, when the run has numerics results, the op's worst verdict for its (op, module);
 - flow events (``s`` on the host op, ``f`` with ``bp: e`` on the device event) link host ops to the device
-  work they launched (``launch_id`` or a shared correlation id).
+  work they launched (``launch_id`` or a shared correlation id);
+- a long run's trace windows (issue 21): one slice per window, named by its reason, on a "tpudiag windows" track.
 
 The event JSON is produced by DuckDB (one text per row, streamed in Arrow batches), so a million events never
 become Python dicts.
@@ -55,6 +56,25 @@ def _flow_events(
     return events
 
 
+def _window_events(
+    spans: list[tuple[int, str, int, int, str | None]], pid: int, origin_ns: int
+) -> list[dict[str, Any]]:
+    """A long run's trace windows (issue 21) as one slice each on a "tpudiag windows" track, so each profiler
+    session is found and zoomed to at once; nothing for a run with a single window (a short script)."""
+    if len(spans) < 2:
+        return []
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "tpudiag windows"}},
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "windows"}},
+    ]
+    for wid, reason, start, end, detail in spans:
+        events.append(
+            {"ph": "X", "name": f"window {wid}: {reason}", "cat": "tpudiag_window", "pid": pid, "tid": 1,
+             "ts": _us(start - origin_ns), "dur": _us(max(end - start, 0)), "args": {"detail": detail or ""}}
+        )  # fmt: skip
+    return events
+
+
 def _us(ns: int) -> float:
     return round(ns / 1000, 3)
 
@@ -71,6 +91,7 @@ class PerfettoExporter:
             tracks = q.chrome_track_names(con, run["id"])
             ids = {(rank, proc, thread): (pid, tid) for pid, tid, rank, proc, thread, _ in tracks}
             flows = _flow_events(q.chrome_flows(con, run["id"]), ids, origin)
+            flows += _window_events(q.window_spans(con, run["id"]), max((t[0] for t in tracks), default=0) + 1, origin)
             total = q.count_rows(con, "trace_events", run["id"])
             progress = Progress(f"export perfetto {run['id']}", total)
             header = {
