@@ -141,13 +141,17 @@ class PulseRecorder:
         if compiles[2] > g0:
             fired.append(("graph_break", f"graph break at step {step}: {control.compile_detail() or ''}".rstrip(": ")))
         median = self.slow.median_s
+        # A step's period (the gap before it, where data loading waits, and the step itself) is what slows a job.
         # Steps inside a window (and the one that closes it) pay for the profiler and the checker: not a signal.
-        if self.window_id is None and self.slow.check(dur / 1e9) and median:
+        period = dur + (gap or 0)
+        if self.window_id is None and self.slow.check(period / 1e9) and median:
             fired.append(
                 (
                     "slow_step",
-                    f"step {step} took {dur / 1e6:.1f} ms, {dur / 1e9 / median:.1f}x the median {median * 1e3:.2f} ms",
+                    f"step {step} took {period / 1e6:.1f} ms with the gap before it, "
+                    f"{period / 1e9 / median:.1f}x the median {median * 1e3:.2f} ms",
                 )
+            )
             )
         figures = probes.collect()
         self._pending = (
