@@ -152,7 +152,6 @@ class PulseRecorder:
                     f"{period / 1e9 / median:.1f}x the median {median * 1e3:.2f} ms",
                 )
             )
-            )
         figures = probes.collect()
         self._pending = (
             step,
