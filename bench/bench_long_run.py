@@ -104,7 +104,9 @@ def main() -> dict[str, object]:
             m: round(max(r["steps"] for r in rs) / plain_steps, 3) for m, rs in results.items() if m != "plain"
         },
         "peak_rss_over_plain_mb": {
-            m: round(max(r["rss_end_kb"] for r in rs) / 1024 - plain_rss, 1) for m, rs in results.items() if m != "plain"
+            m: round(max(r["rss_end_kb"] for r in rs) / 1024 - plain_rss, 1)
+            for m, rs in results.items()
+            if m != "plain"
         },
         "capture_rss_growth_last_two_thirds_mb": round((cap["current_end_kb"] - cap["current_third_kb"]) / 1024, 1),
         "longest_step_s": {m: round(max(r["longest_step_s"] for r in rs), 4) for m, rs in results.items()},

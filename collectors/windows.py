@@ -82,8 +82,8 @@ class WindowPlan:
         free = self.open is None or self.close_next
         if free and self.next is None and self.disabled is None:
             self.next = self._choose(step, now_s, busy)
-        wanted = self.next if self.next is not None else (None if self.close_next else self.open)
-        control.set_numerics_wanted(bool(wanted and wanted.numerics))
+        coming = self.next if self.next is not None else (None if self.close_next else self.open)
+        control.set_numerics_wanted(bool(coming and coming.numerics))
 
     def _choose(self, step: int, now_s: float, busy: Any) -> Window | None:
         while self.queued:

@@ -10,7 +10,6 @@ fast steps with planted anomalies (tests/long_scripts/long_loop.py).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -112,7 +111,19 @@ def _run_folder(db: Path, timeout: float = 60) -> Path:
 @pytest.mark.slow
 def test_a_manual_trigger_from_another_process_opens_a_window(tmp_path: Path, db: Path) -> None:
     ready = tmp_path / "ready"
-    cmd = [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), "--wait", str(LOOP), "25", "--ready", str(ready)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tpudiag",
+        "capture",
+        "--db",
+        str(db),
+        "--wait",
+        str(LOOP),
+        "25",
+        "--ready",
+        str(ready),
+    ]
     env = {**os.environ, **ENV}
     env.pop("TPUDIAG_DB", None)
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -125,7 +136,7 @@ def test_a_manual_trigger_from_another_process_opens_a_window(tmp_path: Path, db
         sent = run_tpudiag("trigger", "--db", str(db), run_dir.name, "--steps", "4", cwd=tmp_path)
         assert sent.returncode == 0, sent.stderr
         assert "trigger sent" in sent.stderr
-        out, err = proc.communicate(timeout=300)
+        _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()

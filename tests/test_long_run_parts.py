@@ -195,7 +195,8 @@ def _store_long_run(tmp_path: Path) -> tuple[Store, str]:
                        end_ns=30_000_000, trace_events=2, first_event_id=0)  # fmt: skip
     win1 = TraceWindow(run_id=run.id, window_id=1, reason="slow_step", first_step=121, last_step=125,
                        start_ns=1_210_000_000, end_ns=1_260_000_000, trace_events=2,
-                       first_event_id=analyst.first_event_id(1), detail="step 120 took 90 ms", numerics=True)  # fmt: skip
+                       first_event_id=analyst.first_event_id(1), detail="step 120: 90 ms",
+                       numerics=True)  # fmt: skip
     events = [
         make_event(run.id, 0, "aten::addmm", 0, 2_000),
         make_event(run.id, 1, "aten::relu", 2_000, 1_000),

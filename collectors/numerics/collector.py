@@ -497,7 +497,8 @@ class NumericsCollector:
 
     def _announce(self, record: Any, diff: Any) -> None:
         # After warm-up a divergence opens a trace window (rate-limited by the trace collector's plan).
-        control.request("numerics", detail=f"{record.op} seq {record.seq} ({record.module or 'no module'}): {diff.verdict}")
+        where = record.module or "no module"
+        control.request("numerics", detail=f"{record.op} seq {record.seq} ({where}): {diff.verdict}")
         if self._recorder.findings.originators == 1:
             self._clear_progress()
             sys.stderr.write(

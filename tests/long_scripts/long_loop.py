@@ -62,6 +62,7 @@ if args.fault_at_step is not None:
     lib.impl("tanh", faulty_kernel, "CPU")
 big = torch.randn(2_000_000)
 
+
 def current_rss_kb():
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * resource.getpagesize() // 1024
@@ -74,8 +75,12 @@ if args.torch_profiler:
     def on_ready(p):
         p.export_chrome_trace(f"{args.torch_profiler}/trace-{p.step_num}.json")
 
-    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True, on_trace_ready=on_ready,
-                   schedule=schedule(wait=3000, warmup=5, active=20, repeat=0))
+    prof = profile(
+        activities=[ProfilerActivity.CPU],
+        record_shapes=True,
+        on_trace_ready=on_ready,
+        schedule=schedule(wait=3000, warmup=5, active=20, repeat=0),
+    )
     prof.start()
 t0 = time.perf_counter()
 current_third = None
@@ -119,7 +124,8 @@ while True:
     if prof is not None:
         prof.step()
     if step == 0 and args.ready:
-        open(args.ready, "w").write("ready\n")
+        with open(args.ready, "w") as fh:
+            fh.write("ready\n")
     step += 1
 if prof is not None:
     prof.stop()

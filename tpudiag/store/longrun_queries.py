@@ -23,13 +23,13 @@ def pulse_summary(store: Store, run_id: str) -> dict[str, Any] | None:
         row = con.execute(
             "SELECT count(*), quantile_cont(dur_ns, 0.5), quantile_cont(dur_ns, 0.99), max(dur_ns), sum(dur_ns), "
             "sum(coalesce(gap_ns, 0)), sum(own_ns), sum(recompiles), sum(graph_breaks), "
-            "count(*) FILTER (WHERE nonfinite), count(DISTINCT rank), max(own_ns) "
+            "count(*) FILTER (WHERE nonfinite), count(DISTINCT rank), 0 "
             "FROM pulse WHERE run_id = ?",
             [run_id],
         ).fetchone()
         if row is None or not row[0]:
             return None
-        steps, p50, p99, longest, busy, gaps, own, recompiles, breaks, nonfinite, ranks, own_max = row
+        steps, p50, p99, longest, busy, gaps, own, recompiles, breaks, nonfinite, ranks, _ = row
         slow = _dicts(
             con.execute(
                 "SELECT step, rank, dur_ns, window_id FROM pulse WHERE run_id = ? AND dur_ns > ? "
