@@ -144,7 +144,8 @@ class PulseRecorder:
         # A step's period (the gap before it, where data loading waits, and the step itself) is what slows a job.
         # Steps inside a window (and the one that closes it) pay for the profiler and the checker: not a signal.
         period = dur + (gap or 0)
-        if self.window_id is None and self.slow.check(period / 1e9) and median:
+        # A step that compiled is slow for that reason: its recompile or graph break window says so.
+        if self.window_id is None and self.slow.check(period / 1e9) and median and not fired:
             fired.append(
                 (
                     "slow_step",

@@ -34,12 +34,12 @@ def test_slow_steps_flags_outliers_and_keeps_them_out_of_the_median() -> None:
 def test_rate_limit_spaces_trigger_windows_but_never_holds_a_manual_one() -> None:
     limit = triggers.RateLimit(min_interval_s=30.0, max_per_reason=2)
     assert limit.allow("slow_step", 100.0)
-    assert not limit.allow("recompile", 110.0)
-    assert limit.allow("manual", 111.0)
-    assert limit.allow("recompile", 150.0)
+    assert not limit.allow("slow_step", 110.0)
+    assert limit.allow("recompile", 111.0)  # another reason is not held by the slow steps
+    assert limit.allow("manual", 112.0) and limit.allow("manual", 113.0)
     assert limit.allow("slow_step", 190.0)
     assert not limit.allow("slow_step", 500.0)  # its two are used up
-    assert limit.held == {"recompile": 1, "slow_step": 1}
+    assert limit.held == {"slow_step": 2}
 
 
 def test_schedule_parses_both_forms_and_refuses_bad_ones() -> None:
@@ -107,10 +107,10 @@ def test_window_plan_first_steps_then_triggers_after_warm_up() -> None:
         assert control.numerics_wanted()  # the numerics collector's hook, right after, watches step 150
         window = plan.opened()
         assert window is not None and (window.first_step, window.end_step, window.window_id) == (150, 155, 1)
-        plan.plan(153, 4.0, [("recompile", "x")], set)  # during the window: queued behind it
+        plan.plan(153, 4.0, [("slow_step", "x")], set)  # during the window, within the limit (10 s): held
         plan.plan(155, 5.0, [], set)
-        assert plan.close_next and plan.next is None  # the recompile was inside the rate limit (10 s)
-        assert plan.limit.held == {"recompile": 1}
+        assert plan.close_next and plan.next is None
+        assert plan.limit.held == {"slow_step": 1}
         plan.closed(155, 5.0)
         control.request("manual", steps=2, numerics=False, detail="tpudiag trigger")
         plan.plan(160, 6.0, [], set)

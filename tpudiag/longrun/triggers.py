@@ -11,7 +11,7 @@ SLOW_MIN_EXTRA_S = 0.005  # ... and at least this much slower (jitter of a milli
 MEDIAN_WINDOW = 64  # steps in the rolling median
 MEDIAN_EVERY = 16  # the median is recomputed every this many steps (sorting 64 values costs a few microseconds)
 WARMUP_STEPS = 100  # no trigger fires before this many steps (compiles, allocator growth, caches)
-MIN_INTERVAL_S = 30.0  # between two trigger windows (a manual trigger is never held back)
+MIN_INTERVAL_S = 30.0  # between two trigger windows of one reason (a manual trigger is never held back)
 MAX_PER_REASON = 20  # trigger windows of one reason in a run; then that reason only counts
 
 
@@ -41,20 +41,22 @@ class SlowSteps:
 
 @dataclass
 class RateLimit:
-    """Trigger windows: at most one every ``min_interval_s`` seconds, at most ``max_per_reason`` per reason."""
+    """Trigger windows: per reason, at most one every ``min_interval_s`` seconds and ``max_per_reason`` in all (a
+    run that keeps slowing does not trace for ever, and a slow-step window does not mask a recompile's)."""
 
     min_interval_s: float = MIN_INTERVAL_S
     max_per_reason: int = MAX_PER_REASON
-    last_s: float | None = None
+    last_s: dict[str, float] = field(default_factory=dict)
     opened: dict[str, int] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)  # triggers that fired but opened no window, by reason
 
     def allow(self, reason: str, now_s: float) -> bool:
         if reason != "manual":
-            too_soon = self.last_s is not None and now_s - self.last_s < self.min_interval_s
+            last = self.last_s.get(reason)
+            too_soon = last is not None and now_s - last < self.min_interval_s
             if too_soon or self.opened.get(reason, 0) >= self.max_per_reason:
                 self.held[reason] = self.held.get(reason, 0) + 1
                 return False
-        self.last_s = now_s
+        self.last_s[reason] = now_s
         self.opened[reason] = self.opened.get(reason, 0) + 1
         return True
