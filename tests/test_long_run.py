@@ -77,8 +77,10 @@ def test_a_long_loop_keeps_a_pulse_and_opens_windows_for_its_anomalies(tmp_path:
     assert first_slow["top_ops"][0]["name"] == "aten::sort", first_slow["top_ops"]
     assert first_slow["numerics"] is True
     recompile = _by_reason(windows, "recompile")
-    # The recompile ran after step N's optimizer step: counted in step N+1, its window opens at N+2.
-    assert recompile and recompile[0]["first_step"] == script["recompile_step"] + 2, (script, recompile)
+    # The recompile ran after step N's optimizer step: counted in step N+1, its window opens at N+2 (later if another
+    # window is open then).
+    assert recompile and script["recompile_step"] + 2 <= recompile[0]["first_step"] <= script["recompile_step"] + 12
+    assert "size mismatch" in recompile[0]["detail"], recompile
     assert _by_reason(windows, "schedule"), [w["reason"] for w in windows]
     manual = _by_reason(windows, "manual")
     assert manual and manual[0]["first_step"] == 401 and manual[0]["last_step"] == 403, manual
