@@ -55,7 +55,7 @@ class WindowPlan:
         self.close_next = False
         self.count = 1  # window ids handed out
         self.cycles = 0  # scheduled windows opened
-        self.last_end_s = t0
+        self.last_end_s = t0  # when the last scheduled (or the first) window ended
         self.last_end_step = 0
         self.queued: list[control.WindowRequest] = []
         self.refused: dict[str, int] = {}  # windows the disk cap kept closed, by reason
@@ -104,7 +104,9 @@ class WindowPlan:
     # -- carried out by the trace collector ---------------------------------------------------------------------
     def closed(self, step: int, now_s: float) -> Window | None:
         window, self.open, self.close_next = self.open, None, False
-        self.last_end_s, self.last_end_step = now_s, step
+        self.last_end_step = step
+        if window is not None and window.reason in ("first_steps", "schedule"):
+            self.last_end_s = now_s  # the schedule keeps its own rhythm, whatever triggers open in between
         return window
 
     def opened(self) -> Window | None:
