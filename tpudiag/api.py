@@ -32,7 +32,8 @@ from typing import Any, TypeVar, overload
 from tpudiag.block_capture import BlockCapture
 from tpudiag.errors import UsageError
 from tpudiag.model import Run
-from tpudiag.store import Store
+from tpudiag.plugins import check_names
+from tpudiag.store import Store, resolve_db_path
 from tpudiag.store_access import open_store
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -116,8 +117,9 @@ class Capture:
         budget: float | None = None,
     ) -> None:
         self.name = name
-        self.store = open_store(Path(db).absolute() if db is not None else None)
+        self.store = open_store((Path(db) if db is not None else resolve_db_path(None)).absolute())
         self.collect = _collect_list(collect)
+        check_names(self.collect)  # a bad name fails here, not when the block starts
         self.options = capture_options(numerics, budget)
         self._frames: list[tuple[BlockCapture | None, CapturedRun]] = []
 

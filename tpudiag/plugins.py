@@ -152,13 +152,19 @@ def run_job(job: DeferredJob, ctx: CaptureContext) -> None:
     work(ctx, job.args)
 
 
-def load_collectors(names: list[str] | None) -> list[Collector]:
-    """Instantiate the named collectors, or every available one when ``names`` is None."""
+def check_names(names: list[str] | None) -> dict[str, str]:
+    """Fail with one clear line when a name is no known collector; every known name -> its spec."""
     specs = available_factories()
     if names is not None:
         unknown = [n for n in names if n not in specs]
         if unknown:
             raise UsageError(f"unknown collector {', '.join(unknown)} (available: {', '.join(sorted(specs))})")
+    return specs
+
+
+def load_collectors(names: list[str] | None) -> list[Collector]:
+    """Instantiate the named collectors, or every available one when ``names`` is None."""
+    specs = check_names(names)
     chosen = names if names is not None else list(specs)
     collectors: list[Collector] = []
     for name in chosen:

@@ -42,6 +42,19 @@ def lock_timeout() -> float:
         return 60.0
 
 
+def _no_progress_bar(con: duckdb.DuckDBPyConnection) -> None:
+    """No progress bar: DuckDB would draw it on the user's terminal during long loads.  Inside a Jupyter kernel
+    DuckDB refuses any change to that setting unless ``ipywidgets`` is installed (its bar there is a widget), and
+    its bar is off there already: a notebook must not need ipywidgets."""
+    import duckdb
+
+    try:
+        con.execute("SET enable_progress_bar = false")
+    except duckdb.InvalidInputException as err:
+        if "progress bar" not in str(err):
+            raise
+
+
 def _is_lock_error(err: Exception) -> bool:
     text = str(err)
     return "lock" in text.lower() or "different configuration" in text
@@ -93,8 +106,7 @@ class Store:
         while True:
             try:
                 con = duckdb.connect(str(self.path), read_only=read_only)
-                # No progress bar: DuckDB would draw it on the user's terminal during long loads.
-                con.execute("SET enable_progress_bar = false")
+                _no_progress_bar(con)
                 return con
             except duckdb.Error as err:
                 if not _is_lock_error(err):
