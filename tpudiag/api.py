@@ -23,6 +23,7 @@ import copy
 import functools
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,7 +31,7 @@ from types import TracebackType
 from typing import Any, TypeVar, overload
 
 from tpudiag.block_capture import BlockCapture
-from tpudiag.errors import UsageError
+from tpudiag.errors import TpudiagError, UsageError
 from tpudiag.model import Run
 from tpudiag.plugins import check_names
 from tpudiag.store import Store, resolve_db_path
@@ -125,23 +126,18 @@ class Capture:
 
     def __enter__(self) -> CapturedRun:
         global _active
-        with _lock:
+        with _lock:  # held while the collectors start: a capture begun meanwhile in another thread joins this one
             outer = _active
             if outer is None:
                 block = BlockCapture(self.store, self.name or "capture", self.collect, self.options)
+                block.start()
                 _active = block
         if outer is not None:
-            outer_run = CapturedRun(outer.store, outer.run_id, joined=True)
             if outer.session is not None:
                 outer.session.note(f"a nested capture ({self.name or 'capture'}) joined this run")
-            self._frames.append((None, outer_run))
-            return outer_run
-        try:
-            block.start()
-        except BaseException:
-            with _lock:
-                _active = None
-            raise
+            joined = CapturedRun(outer.store, outer.run_id, joined=True)
+            self._frames.append((None, joined))
+            return joined
         run = CapturedRun(self.store, block.run_id)
         self._frames.append((block, run))
         return run
@@ -155,6 +151,11 @@ class Capture:
             return None  # a nested capture: the outer one stores the run
         try:
             run.record = block.stop(exc)
+        except TpudiagError as err:
+            if exc is None:
+                raise
+            # The block's own exception goes on unchanged; the store's failure is one line beside it.
+            sys.stderr.write(f"tpudiag: run {run.id} could not be stored: {err}\n")
         finally:
             with _lock:
                 _active = None
