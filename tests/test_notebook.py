@@ -5,6 +5,7 @@ land in the store, and each finished run displays itself as HTML."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,19 @@ def train(steps):
 """
 
 
+# A planted wrong float32 tanh (the float64 oracle stays exact), for the length of the cell.
+BROKEN_TANH = """lib = torch.library.Library("aten", "IMPL")
+def kernel(x):
+    exact = torch.where(x.abs() > 20, x.sign(), torch.sinh(x) / torch.cosh(x))
+    return exact * (1 + 3e-3) if x.dtype == torch.float32 else exact
+lib.impl("tanh", kernel, "CPU")
+try:
+    train(1)
+finally:
+    lib._destroy()
+"""
+
+
 def _notebook(db: Path) -> nbformat.NotebookNode:
     cells = [
         nbformat.v4.new_code_cell("%load_ext tpudiag"),
@@ -46,6 +60,9 @@ def _notebook(db: Path) -> nbformat.NotebookNode:
             f"%%tpudiag --name bad_cell --db {db} --collect trace\ntrain(1)\nraise ValueError('boom in a cell')"
         ),
         nbformat.v4.new_code_cell("print(type(model).__name__, run.id, run.status)"),
+        nbformat.v4.new_code_cell(
+            f"%%tpudiag --name diverging --db {db} --collect numerics --numerics all\n" + BROKEN_TANH
+        ),
     ]
     cells[4].metadata["tags"] = ["raises-exception"]
     return nbformat.v4.new_notebook(cells=cells)
@@ -109,6 +126,18 @@ def test_the_context_manager_in_a_cell_stores_and_displays_the_run(
     assert f"tpudiag run <code>{ctx['id']}</code>" in _html(nb.cells[3])
     last = [o for o in nb.cells[5].outputs if o.output_type == "stream"]
     assert last and last[0].text.split() == ["Sequential", ctx["id"], "ok"]  # the namespace kept the cell's names
+
+
+def test_a_divergence_shows_its_op_module_and_source_line(executed: tuple[nbformat.NotebookNode, Path]) -> None:
+    nb, db = executed
+    run = _runs(db)["diverging"]
+    html = _html(nb.cells[6])
+    first = json.loads(run_tpudiag("report", "--json", "--db", str(db), run["id"]).stdout)["numerics"]
+    first = first["first_divergence"]
+    assert first["op"] == "aten::tanh"
+    shown = f"<b>aten::tanh</b> in module <code>{first['module']}</code> at <code>{first['source_short']}</code>"
+    assert "numerics: first divergence" in html and shown in html
+    assert re.search(r":\d+$", first["source_short"]), first  # a source line, in the notebook's own cell
 
 
 def test_an_exception_in_a_magic_cell_is_the_cells_error_and_a_failed_run(

@@ -42,7 +42,12 @@ def run_cell_captured(shell: Any, line: str, cell: str) -> CapturedRun:
     capture = Capture(
         name=args.name or "cell", db=args.db, collect=args.collect, numerics=args.numerics, budget=args.budget
     )
-    code = compile(shell.transform_cell(cell), "<tpudiag cell>", "exec")
+    source = shell.transform_cell(cell)
+    try:  # the file name IPython gives the cell (in linecache): tracebacks and source lines show the cell's code
+        filename = shell.compile.cache(source, shell.execution_count)
+    except Exception:
+        filename = "<tpudiag cell>"
+    code = compile(source, filename, "exec")
     with capture as run:
         exec(code, shell.user_ns)
     return run
