@@ -37,6 +37,8 @@ class LongRunMixin:
     _trace_dir: Path
     _tpu: Any
 
+    name: str
+
     def _start_session(self) -> None: ...
     def _stop_session(self, analyse: bool = True) -> None: ...
 
@@ -230,8 +232,10 @@ class LongRunMixin:
                     if analyst.run_job(self._ctx.run_id, self._ctx.spool, job_path) == 0:
                         self._ctx.note(NO_EVENTS)
         self._worker.stop(WORKER_WAIT_S if deferred else 600.0)
-        if not deferred:
-            analyst.run_pending(self._ctx.run_id, self._ctx.spool, self._trace_dir)
+        if analyst.pending_jobs(self._trace_dir):
+            job = {"windows": True, "trace_dir": str(self._trace_dir)}
+            if not (deferred and self._ctx.defer(self, job)):
+                analyst.run_pending(self._ctx.run_id, self._ctx.spool, self._trace_dir)
         analyst.tidy(self._trace_dir)
         self._write_pruned()
         held = plan.limit.held

@@ -166,7 +166,7 @@ class TraceCollector(LongRunMixin):
             return
         # The capture may leave the last chunk's analysis to ``finish`` (after the script's exit, off the user's
         # path).  Not with a TPU session: its events are numbered after the host's.
-        deferred = bool(self._ctx.options.get("defer_analysis")) and self._tpu is None
+        deferred = self._ctx.can_defer and self._tpu is None
         try:
             if self._plan is not None:
                 self._stop_windows(deferred)
@@ -187,23 +187,19 @@ class TraceCollector(LongRunMixin):
             self._ctx.note(NO_EVENTS)
         self._ctx.metadata["trace_files"] = [str(p) for p in self._chunks]
 
-    @staticmethod
-    def finish(ctx: CaptureContext) -> None:
-        """The deferred analysis of the last chunk (``stop`` left it in ``trace/deferred.json``), in any process."""
-        import json
+    def finish(self, ctx: CaptureContext, job: dict[str, Any]) -> None:
+        """The deferred analysis the capture left with ``ctx.defer``, in any process: the last chunk (``--trace
+        all``), or the trace windows still waiting for analysis (issue 21)."""
+        if job.get("windows"):
+            from tpudiag.longrun import analyst
 
-        from tpudiag.longrun import analyst
-
-        trace_dir = ctx.run_dir / "trace"
-        first = trace_dir / analyst.JOBS / "window-0000.json"
-        only_first = first.exists() and len(analyst.pending_jobs(trace_dir)) == 1
-        if only_first and analyst.run_job(ctx.run_id, ctx.spool, first) == 0:
-            ctx.note(NO_EVENTS)
-        analyst.run_pending(ctx.run_id, ctx.spool, trace_dir)
-        pending = trace_dir / DEFERRED_CHUNK
-        if not pending.exists():
+            trace_dir = Path(job["trace_dir"])
+            first = trace_dir / analyst.JOBS / "window-0000.json"
+            only_first = first.exists() and len(analyst.pending_jobs(trace_dir)) == 1
+            if only_first and analyst.run_job(ctx.run_id, ctx.spool, first) == 0:
+                ctx.note(NO_EVENTS)
+            analyst.run_pending(ctx.run_id, ctx.spool, trace_dir)
             return
-        job = json.loads(pending.read_text())
         path = Path(job["path"])
         # Parts named after the chunk: a finish retried after its process died rewrites them, never duplicates.
         events, _steps = _analyse_chunk(
@@ -211,7 +207,6 @@ class TraceCollector(LongRunMixin):
         )
         if job["first_event_id"] + events == 0:
             ctx.note(NO_EVENTS)
-        pending.unlink()
 
     # -- profiler sessions ------------------------------------------------------------------------------------
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -356,8 +351,6 @@ class TraceCollector(LongRunMixin):
         self._steps_done += steps
 
     def _defer_chunk(self, path: Path) -> None:
-        import json
-
         assert self._ctx is not None
         job = {
             "path": str(path),
@@ -367,14 +360,10 @@ class TraceCollector(LongRunMixin):
             "roots": self._root_inputs[self._roots_done :],
         }
         self._roots_done = len(self._root_inputs)
-        from tpudiag.atomic_file import atomic_file
-
-        with atomic_file(path.parent / DEFERRED_CHUNK, "w") as fh:
-            json.dump(job, fh)
+        self._ctx.defer(self, job)
 
 
 NO_EVENTS = "the trace collector recorded no events"
-DEFERRED_CHUNK = "deferred.json"
 
 
 def _analyse_chunk(
@@ -387,12 +376,12 @@ def _analyse_chunk(
     part: str | None = None,
 ) -> tuple[int, int]:
     """Analyse one Chrome trace chunk into the spool (trace_events, steps); how many events and steps it held."""
-    from tpudiag.traces import kineto
+    from tpudiag.traces import kineto, kineto_tables
 
     trace = kineto.load(path)
     if len(trace) == 0:
         return 0, 0
-    tables = kineto.to_tables(
+    tables = kineto_tables.to_tables(
         trace,
         run_id=ctx.run_id,
         first_event_id=first_event_id,
@@ -402,5 +391,5 @@ def _analyse_chunk(
         root_inputs=roots,
     )
     ctx.spool.write_table("trace_events", tables.events, part=part)
-    ctx.spool.write_table("steps", kineto.steps_table(tables.steps, ctx.run_id), part=part)
+    ctx.spool.write_table("steps", kineto_tables.steps_table(tables.steps, ctx.run_id), part=part)
     return len(trace), len(tables.steps)

@@ -60,7 +60,7 @@ def pending_jobs(trace_dir: Path) -> list[Path]:
 def run_job(run_id: str, spool: Any, job_path: Path) -> int:
     """Analyse one window job into ``spool``; its event count.  The job file is removed once done."""
     from tpudiag.model import TraceWindow
-    from tpudiag.traces import kineto
+    from tpudiag.traces import kineto, kineto_tables
 
     try:
         job = json.loads(job_path.read_text())
@@ -74,7 +74,7 @@ def run_job(run_id: str, spool: Any, job_path: Path) -> int:
         trace = kineto.load(path)
         events = len(trace)
         if events:
-            tables = kineto.to_tables(
+            tables = kineto_tables.to_tables(
                 trace,
                 run_id=run_id,
                 first_event_id=int(job["first_event_id"]),
@@ -84,7 +84,7 @@ def run_job(run_id: str, spool: Any, job_path: Path) -> int:
                 root_inputs=job.get("roots") or [],
             )
             spool.write_table("trace_events", tables.events, part=part)
-            spool.write_table("steps", kineto.steps_table(tables.steps, run_id), part=part)
+            spool.write_table("steps", kineto_tables.steps_table(tables.steps, run_id), part=part)
     row = TraceWindow(
         run_id=run_id,
         window_id=wid,
