@@ -47,7 +47,8 @@ class LongRunMixin:
         from tpudiag.collectors.pulse import PulseRecorder
 
         mode = str(ctx.options.get("trace") or "windows")
-        self._pulse = PulseRecorder(ctx, rank=int(ctx.options.get("rank") or 0))
+        rank = ctx.options.get("rank") or os.environ.get("RANK") or 0
+        self._pulse = PulseRecorder(ctx, rank=int(rank) if str(rank).isdigit() else 0)
         if mode == "all":
             return
         from tpudiag.collectors.windows import WindowPlan
