@@ -163,9 +163,8 @@ def test_a_numerics_fault_that_starts_late_is_found(tmp_path: Path, db: Path) ->
         cwd=tmp_path, env=ENV, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    assert "first divergence: aten::tanh" in proc.stderr, proc.stderr
     data = _report(tmp_path, db)
-    numerics = data["numerics"]
-    assert numerics["findings"]["originators"] >= 1, numerics["findings"]
     from tpudiag.store.database import Store
 
     with Store(db).reader() as con:

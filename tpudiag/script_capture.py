@@ -59,7 +59,15 @@ def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock 
         if spawned.used and isinstance(sink, StoreLater):
             sink.keep_in_process()  # the spawned ranks are merged here, below
     finished = session.stop(outcome)
-    delivered = session.deliver(finished)
+    try:
+        delivered = session.deliver(finished)
+    except StoreError as err:
+        # The script has run: a store that failed meanwhile (a full disk, issue 21) degrades the capture, never the
+        # script's exit status.  The spool stays in the run folder for the next command to recover.
+        session.note(f"the run could not be stored ({err}); the script's exit status stands")
+        result = CaptureResult(run.id, outcome.exit_code, outcome.status, session.active, session.ctx, False)
+        result.internal_errors = session.internal_errors_line
+        return result
     if spawned is not None and delivered.stored:
         spawn.merge_ranks(store, delivered.run, run_dir)
     result = CaptureResult(run.id, outcome.exit_code, outcome.status, session.active, session.ctx, delivered.stored)
