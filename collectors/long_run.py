@@ -17,6 +17,7 @@ from tpudiag import internal_errors, runner
 from tpudiag.longrun import analyst, control, manual
 from tpudiag.plugins import CaptureContext
 
+NO_EVENTS = "the trace collector recorded no events"
 # How long ``stop`` waits for the analysis process to finish its queue before leaving the rest to the deferred
 # finish (which runs after the script's exit status is known) or doing it itself.
 WORKER_WAIT_S = 1.0
@@ -226,8 +227,6 @@ class LongRunMixin:
             # A script that ended inside its first window: analysed exactly as a whole-run trace (here, or by the
             # deferred finish).
             if job is not None and not deferred and job["window_id"] == 0:
-                from tpudiag.collectors.trace import NO_EVENTS
-
                 with contextlib.suppress(FileNotFoundError):
                     job_path = self._trace_dir / analyst.JOBS / "window-0000.json"
                     if analyst.run_job(self._ctx.run_id, self._ctx.spool, job_path) == 0:

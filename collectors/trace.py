@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tpudiag import internal_errors, runner
-from tpudiag.collectors.long_run import LongRunMixin
+from tpudiag.collectors.long_run import NO_EVENTS, LongRunMixin
 from tpudiag.longrun import analyst
 from tpudiag.plugins import CaptureContext
 
@@ -361,9 +361,6 @@ class TraceCollector(LongRunMixin):
         }
         self._roots_done = len(self._root_inputs)
         self._ctx.defer(self, job)
-
-
-NO_EVENTS = "the trace collector recorded no events"
 
 
 def _analyse_chunk(
