@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tpudiag import deferred_store
-from tpudiag.store import Store
+from tpudiag.store import Store, pending
 
 REPO = Path(__file__).resolve().parents[1]
 LOOP = REPO / "tests" / "long_scripts" / "long_loop.py"
@@ -56,8 +56,7 @@ def _run(mode: str, work: Path, seconds: float, n: int) -> dict[str, Any]:
     if mode == "profiler":
         out["disk_mb"] = round(sum(p.stat().st_size for p in (work / f"prof{n}").iterdir()) / 2**20, 1)
     if mode == "capture":
-        store = Store(db)
-        deferred_store.settle(store)
+        pending.settle(Store(db), deferred_store.finish)  # the detached store write, before the next mode
         rep = subprocess.run(
             [sys.executable, "-m", "tpudiag", "report", "--db", str(db), "--json"], capture_output=True, text=True
         )
