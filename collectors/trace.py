@@ -259,6 +259,8 @@ class TraceCollector(LongRunMixin):
                 activities=self._activities + extra.get("activities", []),
                 record_shapes=True,
                 with_stack=self._with_stack,
+                # The memory collector (issue 22) turns allocator events on in the windows it wants them in.
+                profile_memory=bool(self._ctx.options.get("profile_memory")),
                 experimental_config=extra.get("experimental_config"),
             )
             _quiet_stderr(prof.start)
