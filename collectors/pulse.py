@@ -6,11 +6,12 @@ events, whether a gradient was non-finite, and the figures of registered per-ste
 memory, plugins).
 
 Cost: two ``perf_counter_ns`` calls, a tuple, a rolling median updated every 16 steps, and one small device op.
-Non-finiteness is read without a sync: each step sums the gradient of its smallest parameter on the device (every
-``FULL_EVERY`` steps: the norms of all gradients) and the result is read at the *next* step's end, when it is long
-done: on the CPU reading is free, on CUDA only once its event has completed, on other devices (TPU) never during the
-run (the figure reads None: an ``.item()`` would change the program).  A NaN in any gradient reaches every parameter
-through the update, so the one small gradient sees it a step later; the periodic full check covers the rest.
+Non-finiteness is read without a sync (and not inside trace windows, whose traces hold the script's ops only):
+each step sums the gradient of its smallest parameter on the device (every ``FULL_EVERY`` steps: the norms of all
+gradients) and the result is read at the *next* step's end, when it is long done: on the CPU reading is free, on
+CUDA only once its event has completed, on other devices (TPU) never during the run (the figure reads None: an
+``.item()`` would change the program).  A NaN in any gradient reaches every parameter through the update, so the
+one small gradient sees it a step later; the periodic full check covers the rest.
 
 Records are kept in a ring (the context a trigger window reports) and handed in batches to a writer thread that
 spools them every few seconds: memory does not grow with the run.
@@ -187,11 +188,12 @@ class PulseRecorder:
         import torch
 
         try:
-            # Inside a trace window the check's ops sit in a ``tpudiag::`` range: tpudiag's own time, never ranked
-            # among the script's ops.
-            traced = torch._C._autograd._profiler_enabled()
-            scope = torch.autograd.profiler.record_function("tpudiag::pulse") if traced else contextlib.nullcontext()
-            with torch.no_grad(), scope:
+            if torch._C._autograd._profiler_enabled():
+                # Inside a trace window no check: the window's trace (and its exports) hold the script's ops only,
+                # as a capture without the pulse would.  The window's steps read None.
+                self._check = None
+                return
+            with torch.no_grad():
                 if step % FULL_EVERY == FULL_EVERY - 1:
                     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
                     if not grads:
