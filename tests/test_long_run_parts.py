@@ -240,3 +240,37 @@ def test_timeline_page_shows_the_pulse_and_windows(tmp_path: Path, monkeypatch: 
     assert not at.exception, at.exception
     assert {m.label: m.value for m in at.metric}["Steps"] == "200"
     assert "slow_step" in str(at.dataframe[0].value)
+
+
+def test_pulse_sees_a_non_finite_gradient_a_step_later_and_records_every_step(tmp_path: Path) -> None:
+    import torch
+
+    from tpudiag.collectors.pulse import PulseRecorder
+    from tpudiag.plugins import CaptureContext
+    from tpudiag.spool import Spool
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx = CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / "spool"))
+    pulse = PulseRecorder(ctx)
+    fired_at: dict[str, int] = {}
+    x = torch.randn(3, 4)
+    for step in range(6):
+        pulse.step_begin((x,), {})
+        opt.zero_grad()
+        scale = float("nan") if step == 3 else 1.0
+        (model(x).sum() * scale).backward()
+        opt.step()
+        _, fired = pulse.step_end(opt)
+        for reason, _detail in fired:
+            fired_at.setdefault(reason, step)
+    pulse.stop()
+    assert fired_at.get("nonfinite") == 4  # step 3's gradient, read at step 4's end: no sync in step 3
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "spool" / "pulse")
+    cols = [table[c].to_pylist() for c in ("step", "nonfinite", "shapes")]
+    rows = sorted(zip(*cols, strict=True))
+    assert [r[0] for r in rows] == list(range(6))  # every step, the last one written at stop
+    assert rows[3][1] is True and rows[2][1] is False
+    assert rows[0][2] == "[[3, 4]]"
