@@ -88,6 +88,8 @@ def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
         if collect == ["none"]:
             collect = []
     collector_options: dict[str, Any] = {"with_stack": args.with_stack}
+    if args.profile_memory:
+        collector_options["profile_memory"] = True
     for key in ("numerics", "budget", "ops", "modules"):
         value = getattr(args, key, None)
         if value is not None:
@@ -169,6 +171,12 @@ def build_parser(extra_commands: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--name", help="name of the run (default: the script's name)")
     p.add_argument("--collect", help="comma-separated collectors, or none (default: every available one)")
     p.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
+    p.add_argument(
+        "--profile-memory",
+        action="store_true",
+        help="record the allocator's events in the trace: live bytes over time, what was live at the peak by "
+        "module and op, the largest allocations (slower; the memory collector's per-step figures need no flag)",
+    )
     p.add_argument(
         "--wait",
         action="store_true",
