@@ -229,7 +229,7 @@ class MemoryBlock:
     TABLE: ClassVar[str] = "memory_blocks"
 
     run_id: str
-    window: int  # the trace chunk (profiler session) it came from
+    window_id: int  # the trace chunk (profiler session) it came from
     kind: str
     bytes: int
     method: str  # "profiler" (Kineto memory events) | "dispatch" (live tensor bytes counted at dispatch)
@@ -250,7 +250,7 @@ class MemoryPoint:
     TABLE: ClassVar[str] = "memory_timeline"
 
     run_id: str
-    window: int
+    window_id: int
     ts_ns: int
     allocated_bytes: int
     method: str
@@ -290,7 +290,7 @@ class MemoryOomAlloc:
     TABLE: ClassVar[str] = "memory_oom_allocs"
 
     run_id: str
-    index: int
+    position: int  # its number in XLA's table (1 = largest)
     size_bytes: int | None = None
     shape: str | None = None
     operator: str | None = None
