@@ -144,6 +144,7 @@ _FIELD = re.compile(r"\s*(" + "|".join(re.escape(f) for f in _FIELDS) + r"):\s*"
 
 def allocations(text: str) -> list[Allocation]:
     """XLA's "Largest program allocations" entries as rows (empty when the message has no such table)."""
+    text = _GLOG_PREFIX.sub("", text)
     start = _TABLE_START.search(text)
     if not start:
         return []
