@@ -91,6 +91,8 @@ class MemoryCollector:
         self._remove_listener: Any = None
         self._oom: dict[str, Any] | None = None
         self._oom_allocs: list[Any] = []
+        self._last_flushed: dict[str, Any] | None = None  # the last step's figures once its row is spooled
+        self._is_compiling: Any = None
         self._main_thread = threading.main_thread()
 
     # -- plugin protocol --------------------------------------------------------------------------------------
@@ -109,7 +111,10 @@ class MemoryCollector:
         from tpudiag.collectors.memory_sampler import MemorySampler
 
         self._ctx = ctx
+        import torch
+
         self._sampler = MemorySampler()
+        self._is_compiling = torch.compiler.is_compiling
         self._hooks.append(register_optimizer_step_post_hook(module_calls.skip_in_dynamo(self._after_step)))
         self._remove_listener = runner.add_failure_listener(self._on_failure)
 
@@ -119,7 +124,24 @@ class MemoryCollector:
         from tpudiag.model import MemoryStep
 
         with self._lock:
-            rows, self._rows = self._rows, []
+            pending, self._rows = self._rows, []
+            if pending:
+                self._last_flushed = pending[-1][2]
+        sources_json: dict[tuple[tuple[str, str], ...], str] = {}  # a run's steps share a few source sets
+        rows = []
+        for step, ts_ns, fig in pending:
+            key = tuple(sorted(fig["sources"].items()))
+            if key not in sources_json:
+                sources_json[key] = json.dumps(dict(key), sort_keys=True)
+            rows.append(
+                MemoryStep(
+                    run_id=self._ctx.run_id, step=step, origin="sampler", ts_ns=ts_ns, device=fig["device"],
+                    allocated_bytes=fig["allocated_bytes"], reserved_bytes=fig["reserved_bytes"],
+                    peak_bytes=fig["peak_bytes"], rss_bytes=fig["rss_bytes"],
+                    device_used_bytes=fig["device_used_bytes"], limit_bytes=fig["limit_bytes"],
+                    sources=sources_json[key],
+                )
+            )  # fmt: skip
         self._ctx.spool.write_records(MemoryStep, rows)
 
     def stop(self) -> None:
@@ -131,42 +153,27 @@ class MemoryCollector:
         if self._remove_listener is not None:
             self._remove_listener()
         self.flush()
+        self._sampler.close()
         self._ctx.metadata["memory"] = {"backend": self._sampler.backend, "device": self._sampler.device}
         if self._oom is not None:
             write_oom(self._ctx, self._oom, self._oom_allocs)
 
     # -- per step ---------------------------------------------------------------------------------------------
     def sample_step(self, step: int) -> dict[str, Any]:
-        """One step's figures (the sampler's dict), kept for the next flush."""
-        from tpudiag.model import MemoryStep
-
-        assert self._ctx is not None
-        fig = self._sampler.sample()
-        row = MemoryStep(
-            run_id=self._ctx.run_id,
-            step=step,
-            origin="sampler",
-            ts_ns=time.time_ns(),
-            device=fig["device"],
-            allocated_bytes=fig["allocated_bytes"],
-            reserved_bytes=fig["reserved_bytes"],
-            peak_bytes=fig["peak_bytes"],
-            rss_bytes=fig["rss_bytes"],
-            device_used_bytes=fig["device_used_bytes"],
-            limit_bytes=fig["limit_bytes"],
-            sources=json.dumps(fig["sources"], sort_keys=True),
-        )
+        """One step's figures (the sampler's dict), kept for the next flush (records are built there, off the
+        step)."""
+        fig: dict[str, Any] = self._sampler.sample()
         with self._lock:
-            self._rows.append(row)
-        return fig  # type: ignore[no-any-return]
+            self._rows.append((step, time.time_ns(), fig))
+        return fig
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        import torch
-
-        if torch.compiler.is_compiling() or threading.current_thread() is not self._main_thread:
+        if self._is_compiling() or threading.current_thread() is not self._main_thread:
             return
-        with internal_errors.current().guard("memory", "sample a step"):
+        try:
             self.sample_step(self._steps)
+        except Exception as err:  # never into the user's optimizer step
+            internal_errors.current().record("memory", "sample a step", err)
         self._steps += 1
 
     # -- out of memory ------------------------------------------------------------------------------------------
@@ -186,7 +193,7 @@ class MemoryCollector:
                         break
             limit = parsed.limit_bytes if parsed.limit_bytes is not None else fig.get("limit_bytes")
             with self._lock:
-                last = self._rows[-1] if self._rows else None
+                last = self._rows[-1][2] if self._rows else self._last_flushed
             self._oom = {
                 "kind": parsed.kind,
                 "message": str(err)[:20000],
@@ -197,7 +204,7 @@ class MemoryCollector:
                 "requested_bytes": parsed.requested_bytes,
                 "live_bytes": live,
                 "limit_bytes": limit,
-                "last_good_peak_bytes": last.peak_bytes if last is not None else None,
+                "last_good_peak_bytes": last["peak_bytes"] if last is not None else None,
                 "memory_space": parsed.memory_space,
                 "exception": type(err).__name__,
                 "op_source": None,
