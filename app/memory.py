@@ -18,7 +18,8 @@ def oom_lines(oom: dict[str, Any]) -> list[str]:
         f"kind: {oom['kind']}" + (f" ({oom['phase']})" if oom.get("phase") else ""),
         f"step: {oom['step']}   module: {oom['module'] or '?'}   op: {oom['op'] or '?'}",
         f"asked for: {human_bytes(oom['requested_bytes'])}   live: {human_bytes(oom['live_bytes'])}   "
-        f"limit: {human_bytes(oom['limit_bytes'])}   last good step's peak: {human_bytes(oom.get('last_good_peak_bytes'))}",
+        f"limit: {human_bytes(oom['limit_bytes'])}   "
+        f"last good step's peak: {human_bytes(oom.get('last_good_peak_bytes'))}",
     ]
     return lines
 
@@ -67,8 +68,10 @@ def render(s: Store) -> None:
         st.subheader("Largest allocations")
         st.dataframe(section["top_allocations"], hide_index=True, key="mem_top")
     else:
-        st.info("No trace window recorded the allocator's events. Capture with --profile-memory for live bytes, "
-                "the module breakdown at the peak and the largest allocations.")
+        st.info(
+            "No trace window recorded the allocator's events. Capture with --profile-memory for live bytes, "
+            "the module breakdown at the peak and the largest allocations."
+        )
 
 
 def main() -> None:

@@ -82,7 +82,8 @@ def main() -> dict[str, Any]:
         hook_s = (time.perf_counter() - t0) / n
         collector.stop()
     step_s = statistics.median(without)
-    prof_plain, prof_mem = [], []
+    prof_plain: list[float] = []
+    prof_mem: list[float] = []
     for _ in range(max(1, REPEATS // 2)):
         for profile_memory, sink in ((False, prof_plain), (True, prof_mem)):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -48,7 +49,9 @@ model = Net()
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 """
 
-TRAIN = MODEL.replace("WIDE", "512") + """
+TRAIN = (
+    MODEL.replace("WIDE", "512")
+    + """
 for batch in [int(b) for b in sys.argv[1:]]:
     loss = model(torch.randn(batch, 64)).square().mean()
     loss.backward()
@@ -56,8 +59,11 @@ for batch in [int(b) for b in sys.argv[1:]]:
     opt.zero_grad()
 print("trained")
 """
+)
 
-OOM = MODEL.replace("WIDE", "(1 << 14)") + """
+OOM = (
+    MODEL.replace("WIDE", "(1 << 14)")
+    + """
 import resource
 
 def vm_size():
@@ -75,9 +81,12 @@ for batch in (8, 16, 4096):
     opt.zero_grad()
     print("step", batch, flush=True)
 """
+)
 
 
-def _capture(tmp_path: Path, db: Path, script: str, *args: str, collect: str = "trace,memory") -> subprocess.CompletedProcess[str]:
+def _capture(
+    tmp_path: Path, db: Path, script: str, *args: str, collect: str = "trace,memory"
+) -> subprocess.CompletedProcess[str]:
     (tmp_path / "script.py").write_text(script)
     return run_tpudiag(
         "capture", "--db", str(db), "--wait", "--profile-memory", "--collect", collect, "script.py", *args,
@@ -109,7 +118,7 @@ def test_large_activation_is_named_at_the_peak_and_step_peaks_grow_with_the_batc
     steps = mem["per_step"]
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
     peaks = [s["peak_bytes"] for s in steps]
-    assert all(b > a * 1.5 for a, b in zip(peaks, peaks[1:])), peaks
+    assert all(b > a * 1.5 for a, b in itertools.pairwise(peaks)), peaks
     assert all(s["sources"]["peak_bytes"].startswith("profiler memory events") for s in steps)
     # CPU: no device allocator to ask; RSS is read, the device figures are unknown (None), never 0.
     assert all(s["rss_bytes"] and s["sources"]["rss_bytes"] == "/proc/self/statm" for s in steps)

@@ -13,7 +13,7 @@ from tpudiag.comparison.memory_diff import memory_summary
 from tpudiag.comparison.render import render_text
 from tpudiag.comparison.snapshot import Snapshot, from_json
 
-SHAPES = '[[64,64]]'
+SHAPES = "[[64,64]]"
 
 
 def _snap(name: str, peak: int | None, shapes: str = SHAPES, source: str = "profiler memory events") -> Snapshot:

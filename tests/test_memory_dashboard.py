@@ -22,8 +22,14 @@ def test_memory_page_shows_steps_window_modules_and_the_oom_card(
     assert metrics["Peak"] == "8.00 MiB" and metrics["Peak step"] == "1" and metrics["Per-module method"] == "profiler"
     assert "The script ran out of memory." in at.error[0].value
     card = "\n".join(t.value for t in at.text)
-    assert "asked for: ?   live: 2.00 GiB" in card and "limit: 1.00 GiB" in card and "last good step's peak: 8.00 MiB" in card
-    figs = {json.loads(c.proto.spec)["layout"]["title"]["text"]: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
+    assert (
+        "asked for: ?   live: 2.00 GiB" in card
+        and "limit: 1.00 GiB" in card
+        and "last good step's peak: 8.00 MiB" in card
+    )
+    figs = {
+        json.loads(c.proto.spec)["layout"]["title"]["text"]: json.loads(c.proto.spec) for c in at.get("plotly_chart")
+    }
     steps = {tr["name"]: tr["y"] for tr in figs["Memory per step (MiB)"]["data"]}
     assert steps == {"peak": [3.0, 8.0], "process RSS": [300.0, 310.0]}  # no allocator: no allocated line at 0
     [live] = figs["Live bytes in the window (MiB)"]["data"]

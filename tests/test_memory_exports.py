@@ -57,7 +57,9 @@ def _run(store: Store) -> str:
                 MemoryOom(rid, "xla_hbm", "Ran out of memory in memory space hbm. Used 2G of 1G hbm.", "compile", 2,
                           None, None, None, 2 << 30, 1 << 30)
             ],
-            MemoryOomAlloc: [MemoryOomAlloc(rid, 1, 1 << 30, "f32[1024,262144]", None, None, None, None, "%x", "HLO temp")],
+            MemoryOomAlloc: [
+                MemoryOomAlloc(rid, 1, 1 << 30, "f32[1024,262144]", None, None, None, None, "%x", "HLO temp")
+            ],
         },
     )  # fmt: skip
     return rid
@@ -75,7 +77,10 @@ def test_report_section_merges_step_figures_and_names_the_peak(tmp_path: Path) -
     assert section["per_step"][1]["sources"] == {"peak_bytes": "p", "rss_bytes": "/proc"}
     assert section["per_step"][0]["allocated_bytes"] is None  # unknown stays None
     assert (section["peak_bytes"], section["peak_step"], section["source"]) == (8 * MIB, 1, "p")
-    assert section["by_module_at_peak"] == [{"module": "blocks.2", "bytes": 6 * MIB}, {"module": "fc", "bytes": 2 * MIB}]
+    assert section["by_module_at_peak"] == [
+        {"module": "blocks.2", "bytes": 6 * MIB},
+        {"module": "fc", "bytes": 2 * MIB},
+    ]
     oom = section["oom"]
     assert oom["last_good_peak_bytes"] == 8 * MIB  # step 1's peak, the step before the one that failed
     assert oom["holders"] == [{"module": "fc", "bytes": 4 * MIB}]

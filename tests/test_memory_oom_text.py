@@ -1,3 +1,4 @@
+# ruff: noqa: E501, W291  (the messages are quoted as published: long lines, trailing spaces)
 """Out-of-memory messages, real ones, read into kind, bytes and XLA's allocation table (tpudiag.analysis.oom_text).
 
 Sources of the texts (quoted as published; only the glog prefixes of one are kept to test that they are stripped):

@@ -49,7 +49,9 @@ def build_section(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
         if oom.get("last_good_peak_bytes") is None and oom.get("step"):
             prev = next((s for s in per_step if s["step"] == oom["step"] - 1), None)
             if prev is not None:
-                oom["last_good_peak_bytes"] = prev["peak_bytes"] if prev["peak_bytes"] is not None else prev["rss_bytes"]
+                oom["last_good_peak_bytes"] = (
+                    prev["peak_bytes"] if prev["peak_bytes"] is not None else prev["rss_bytes"]
+                )
         held = memory_queries.blocks(store, run_id, "at_oom")
         oom["holders"] = memory_queries.by_module(held)[:TOP]
     return {
@@ -101,10 +103,15 @@ def render_section(section: dict[str, Any]) -> list[str]:
             for line in table(
                 ["step", "allocated", "reserved", "peak", "rss"],
                 [
-                    [str(s["step"]), hb(s["allocated_bytes"]), hb(s["reserved_bytes"]), hb(s["peak_bytes"]),
-                     hb(s["rss_bytes"])]
+                    [
+                        str(s["step"]),
+                        hb(s["allocated_bytes"]),
+                        hb(s["reserved_bytes"]),
+                        hb(s["peak_bytes"]),
+                        hb(s["rss_bytes"]),
+                    ]
                     for s in shown
-                ],  # fmt: skip
+                ],
                 right={0, 1, 2, 3, 4},
             )
         ]
@@ -128,5 +135,7 @@ def render_section(section: dict[str, Any]) -> list[str]:
         for h in oom.get("holders", [])[:5]:
             lines.append(f"    held {hb(h['bytes']):>12}  {h['module']}")
         for a in oom.get("allocations", [])[:5]:
-            lines.append(f"    XLA #{a['position']}: {hb(a['size_bytes'])} {a['shape'] or ''} {a['operator'] or ''}".rstrip())
+            lines.append(
+                f"    XLA #{a['position']}: {hb(a['size_bytes'])} {a['shape'] or ''} {a['operator'] or ''}".rstrip()
+            )
     return lines

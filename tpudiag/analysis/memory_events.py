@@ -10,6 +10,7 @@ module path the trace analysis gave the innermost event.  Pure functions over ar
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import defaultdict
 from collections.abc import Sequence
@@ -93,14 +94,14 @@ def attribute(mem: MemoryEvents, events: pa.Table, thread_names: dict[tuple[str,
     ops = _Ops.of(events)
     by_thread: dict[str, np.ndarray[Any, Any]] = {}
     for label in set(ops.thread):
-        idx = np.flatnonzero(np.array([t == label for t in ops.thread]))
-        by_thread[label] = idx[np.argsort(ops.start[idx], kind="stable")]
+        members = np.flatnonzero(np.array([t == label for t in ops.thread]))
+        by_thread[label] = members[np.argsort(ops.start[members], kind="stable")]
     for k in range(n):
         pid, tid = mem.threads[k]
-        label = thread_names.get((pid, tid), tid)
-        idx = by_thread.get(label)
-        if idx is None:
+        found = by_thread.get(thread_names.get((pid, tid), tid))
+        if found is None:
             continue
+        idx = found
         t = int(mem.ts_ns[k])
         pos = int(np.searchsorted(ops.start[idx], t, side="right")) - 1
         j = int(idx[pos]) if pos >= 0 else -1
@@ -176,7 +177,7 @@ def _downsample(values: np.ndarray[Any, Any], limit: int) -> np.ndarray[Any, Any
         return np.arange(n)
     edges = np.linspace(0, n, limit // 2 + 1).astype(np.int64)
     keep: list[int] = []
-    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+    for lo, hi in itertools.pairwise(edges.tolist()):
         if hi > lo:
             seg = values[lo:hi]
             keep += [lo + int(np.argmin(seg)), lo + int(np.argmax(seg))]

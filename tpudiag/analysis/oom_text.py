@@ -28,11 +28,11 @@ _GLOG_PREFIX = re.compile(r"^\s*\d{4}-\d\d-\d\d [\d:.]+: [EWIF]\s+\d+ \S+:\d+\] 
 
 
 def xla_bytes(number: str, unit: str) -> int:
-    return int(round(float(number) * _UNITS[unit.upper()[:1] if unit else ""]))
+    return round(float(number) * _UNITS[unit.upper()[:1] if unit else ""])
 
 
 def size_bytes(text: str) -> int | None:
-    """"19.46G", "530.00M", "276.0K", "0B", "2.00 GiB", "512 MiB" -> bytes."""
+    """ "19.46G", "530.00M", "276.0K", "0B", "2.00 GiB", "512 MiB" -> bytes."""
     m = re.fullmatch(r"\s*" + _XLA_SIZE + r"\s*", text)
     return xla_bytes(m.group(1), m.group(2)) if m else None
 
@@ -73,7 +73,11 @@ _XLA_ATTEMPT = re.compile(r"Attempting to (?:reserve|allocate) " + _XLA_SIZE)
 _XLA_CAPACITY = re.compile(r"HBM capacity " + _XLA_SIZE)
 _XLA_CURRENT = re.compile(r"Currently allocated:\s*" + _XLA_SIZE)
 _XLA_TC_SC = re.compile(
-    r"TensorCore Hbm usage: " + _XLA_SIZE + r", SparseCore Hbm usage " + _XLA_SIZE + r", exceeding available bytes: "
+    r"TensorCore Hbm usage: "
+    + _XLA_SIZE
+    + r", SparseCore Hbm usage "
+    + _XLA_SIZE
+    + r", exceeding available bytes: "
     + _XLA_SIZE
 )
 _RESOURCE = re.compile(r"RESOURCE_EXHAUSTED|Resource exhausted", re.IGNORECASE)
@@ -105,7 +109,9 @@ def parse(message: str, exception: str | None = None) -> OomText | None:
     tc_sc = _XLA_TC_SC.search(text)
     if tc_sc:
         used = xla_bytes(tc_sc.group(1), tc_sc.group(2)) + xla_bytes(tc_sc.group(3), tc_sc.group(4))
-        return OomText("xla_hbm", "compile", "hbm", live_bytes=used, limit_bytes=xla_bytes(tc_sc.group(5), tc_sc.group(6)))
+        return OomText(
+            "xla_hbm", "compile", "hbm", live_bytes=used, limit_bytes=xla_bytes(tc_sc.group(5), tc_sc.group(6))
+        )
     attempt = _XLA_ATTEMPT.search(text)
     if attempt and _RESOURCE.search(text):
         capacity = _XLA_CAPACITY.search(text)

@@ -303,7 +303,9 @@ def _memory(rule: Rule, result: dict[str, Any]) -> Outcome:
     if not mem["same_shapes"]:
         return Outcome(rule, "skipped", seen + "; the runs' input shapes differ")
     if not mem["comparable"]:
-        return Outcome(rule, "skipped", seen + f"; peaks from different sources ({mem['source_a']} / {mem['source_b']})")
+        return Outcome(
+            rule, "skipped", seen + f"; peaks from different sources ({mem['source_a']} / {mem['source_b']})"
+        )
     bad, _ratio = _bad_ratio(rule, mem["peak_a"], mem["peak_b"])
     return Outcome(rule, "fail" if bad else "pass", seen)
 

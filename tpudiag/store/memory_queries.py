@@ -108,7 +108,8 @@ def timeline(store: Store, run_id: str, window: int | None = None, rank: int = 0
 def windows(store: Store, run_id: str, rank: int = 0) -> list[int]:
     with store.reader() as r:
         rows = r.execute(
-            "SELECT DISTINCT window_id FROM memory_timeline WHERE run_id = ? AND rank = ? ORDER BY window_id", [run_id, rank]
+            "SELECT DISTINCT window_id FROM memory_timeline WHERE run_id = ? AND rank = ? ORDER BY window_id",
+            [run_id, rank],
         ).fetchall()
     return [int(w[0]) for w in rows]
 

@@ -39,8 +39,8 @@ class _Event(msgspec.Struct, gc=False):
 
 
 class _Doc(msgspec.Struct, gc=False):
-    traceEvents: list[_Event] = []  # noqa: N815 (the Chrome trace's own key)
-    baseTimeNanoseconds: int | float | None = None  # noqa: N815
+    traceEvents: list[_Event] = []
+    baseTimeNanoseconds: int | float | None = None
 
 
 _DOC = msgspec.json.Decoder(_Doc)
