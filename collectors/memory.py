@@ -4,7 +4,9 @@
   figures (device allocator, libtpu, process RSS) with their sources, kept in a small buffer and spooled at each
   flush (``memory_steps``, origin "sampler").  The pulse of long runs can call ``MemorySampler.sample`` itself.
 - **Per module and op**: the trace collector's ``profile_memory`` option records the allocator's events;
-  ``collectors/memory_window.py`` reads them from each trace window (method "profiler").
+  ``collectors/memory_window.py`` reads them from each trace window (method "profiler").  Where the profiler has
+  no device memory events (TorchTPU), ``memory_dispatch`` counts live tensor bytes at dispatch instead
+  (``collectors/memory_dispatch.py``, method "dispatch"; opt-in: a dispatch mode makes torch.compile run eagerly).
 - **Out of memory**: ``runner`` tells this collector the exception that ends the script, before its traceback is
   printed (the traceback and exit status are untouched).  The message is classified and parsed
   (``tpudiag.analysis.oom_text``); the step, the module (from the traceback's innermost ``forward`` frame: no
@@ -92,6 +94,11 @@ class MemoryCollector:
         self._oom: dict[str, Any] | None = None
         self._oom_allocs: list[Any] = []
         self._last_flushed: dict[str, Any] | None = None  # the last step's figures once its row is spooled
+        self._dispatch: Any = None  # memory_dispatch.LiveBytes when counting at dispatch
+        self._tracker: Any = None
+        self._windows = 0
+        self._window_lock = threading.Lock()
+        self._oom_holders: list[dict[str, Any]] = []
         self._is_compiling: Any = None
         self._main_thread = threading.main_thread()
 
@@ -117,6 +124,15 @@ class MemoryCollector:
         self._is_compiling = torch.compiler.is_compiling
         self._hooks.append(register_optimizer_step_post_hook(module_calls.skip_in_dynamo(self._after_step)))
         self._remove_listener = runner.add_failure_listener(self._on_failure)
+        if ctx.options.get("memory_dispatch"):
+            from tpudiag.collectors.memory_dispatch import LiveBytes
+            from tpudiag.collectors.modules import ModuleTracker
+
+            self._tracker = ModuleTracker()
+            self._tracker.install()
+            self._dispatch = LiveBytes(self._tracker.current, lambda: self._steps)
+            self._dispatch.__enter__()
+            ctx.metadata.setdefault("memory", {})["method"] = "dispatch"
 
     def flush(self) -> None:
         if self._ctx is None:
@@ -143,10 +159,39 @@ class MemoryCollector:
                 )
             )  # fmt: skip
         self._ctx.spool.write_records(MemoryStep, rows)
+        if self._dispatch is not None:
+            self._spool_dispatch_window()
+
+    def _spool_dispatch_window(self) -> None:
+        """The dispatch counts since the last window, analysed like a trace window (method "dispatch")."""
+        from tpudiag.analysis import memory_events
+        from tpudiag.model import MemoryBlock, MemoryPoint, MemoryStep, records_to_arrow
+
+        assert self._ctx is not None
+        with self._window_lock:
+            taken = self._dispatch.take_window()
+            if taken is None:
+                return
+            window = self._windows
+            self._windows += 1
+        mem, sites = taken
+        out = memory_events.analyse(mem, sites, self._ctx.run_id, window, method="dispatch")
+        for cls, rows in ((MemoryPoint, out.points), (MemoryBlock, out.blocks), (MemoryStep, out.steps)):
+            if rows:
+                self._ctx.spool.write_table(cls.TABLE, records_to_arrow(cls, rows))
 
     def stop(self) -> None:
         if self._ctx is None:
             return
+        if self._dispatch is not None:
+            from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+            mode: Any = _get_current_dispatch_mode()
+            if mode is self._dispatch:
+                mode.__exit__(None, None, None)
+            else:
+                self._ctx.note("memory: the script left a dispatch mode of its own active above tpudiag's")
+            self._tracker.remove()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -157,6 +202,15 @@ class MemoryCollector:
         self._ctx.metadata["memory"] = {"backend": self._sampler.backend, "device": self._sampler.device}
         if self._oom is not None:
             write_oom(self._ctx, self._oom, self._oom_allocs)
+            if self._oom_holders:
+                from tpudiag.model import MemoryBlock, records_to_arrow
+
+                held = [
+                    MemoryBlock(self._ctx.run_id, self._windows, "at_oom", h["bytes"], "dispatch", 0,
+                                module=h["module"], step=self._oom["step"])
+                    for h in self._oom_holders
+                ]  # fmt: skip
+                self._ctx.spool.write_table("memory_blocks", records_to_arrow(MemoryBlock, held), part="oom-held")
 
     # -- per step ---------------------------------------------------------------------------------------------
     def sample_step(self, step: int) -> dict[str, Any]:
@@ -172,6 +226,10 @@ class MemoryCollector:
             return
         try:
             self.sample_step(self._steps)
+            if self._dispatch is not None:
+                self._dispatch.failed_op = None  # an error the script caught and went past
+                if self._dispatch.full():
+                    self._spool_dispatch_window()
         except Exception as err:  # never into the user's optimizer step
             internal_errors.current().record("memory", "sample a step", err)
         self._steps += 1
@@ -212,6 +270,12 @@ class MemoryCollector:
                 "live_source": live_source,
             }
             self._oom_allocs = parsed.allocations
+            failed = self._dispatch.failed_op if self._dispatch is not None else None
+            if failed is not None:
+                self._oom.update(op=failed["op"], op_source="dispatch")
+                if self._oom["module"] is None:
+                    self._oom["module"] = failed["module"]
+                self._oom_holders = failed["holders"]
 
 
 def _oom_record(ctx: CaptureContext, oom: dict[str, Any]) -> Any:

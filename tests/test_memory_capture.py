@@ -6,7 +6,10 @@
 - per-step peaks grow with the batch;
 - a real CPU out-of-memory error under a lowered address-space limit (RLIMIT_AS, set by the script itself, so the
   child process alone is limited): the report names the step, the module, the op and the bytes asked for; the
-  script's stdout, stderr and exit status are what they are with the memory collector left out.
+  script's stdout, stderr and exit status are what they are with the memory collector left out;
+- the same two scripts without the trace, live tensor bytes counted at dispatch (``--memory-dispatch``, the method
+  for backends whose profiler records no device memory events): the largest allocation, growing step peaks, and the
+  op and module of the out-of-memory error found by the dispatch mode itself.
 """
 
 from __future__ import annotations
@@ -85,12 +88,11 @@ for batch in (8, 16, 4096):
 
 
 def _capture(
-    tmp_path: Path, db: Path, script: str, *args: str, collect: str = "trace,memory"
+    tmp_path: Path, db: Path, script: str, *args: str, collect: str = "trace,memory", flag: str = "--profile-memory"
 ) -> subprocess.CompletedProcess[str]:
     (tmp_path / "script.py").write_text(script)
     return run_tpudiag(
-        "capture", "--db", str(db), "--wait", "--profile-memory", "--collect", collect, "script.py", *args,
-        cwd=tmp_path,
+        "capture", "--db", str(db), "--wait", flag, "--collect", collect, "script.py", *args, cwd=tmp_path
     )  # fmt: skip
 
 
@@ -151,3 +153,27 @@ def test_cpu_out_of_memory_is_diagnosed_and_the_script_ends_as_it_would(tmp_path
     assert oom["holders"] and all(h["bytes"] > 0 for h in oom["holders"])
     text = run_tpudiag("report", "--db", str(db), cwd=tmp_path).stdout
     assert "OUT OF MEMORY (cpu_alloc, runtime) at step 2 in blocks.2, op aten::repeat: asked for 16.00 GiB" in text
+
+
+@pytest.mark.slow
+def test_dispatch_method_without_the_trace(tmp_path: Path) -> None:
+    db = tmp_path / "train.duckdb"
+    out = _capture(tmp_path, db, TRAIN, "16", "32", "64", collect="memory", flag="--memory-dispatch")
+    assert out.returncode == 0, out.stderr[-2000:]
+    mem = _memory(db, tmp_path)
+    assert mem["method"] == "dispatch"
+    biggest = mem["top_allocations"][0]
+    assert biggest["bytes"] == 64 * 64 * 512 * 4 and biggest["module"] == "blocks.2"
+    forward = next(a for a in mem["top_allocations"] if a["op"] == "aten::repeat")
+    assert json.loads(forward["shapes"]) == [[64, 64]] and forward["module"] == "blocks.2"
+    peaks = [s["peak_bytes"] for s in mem["per_step"]]
+    assert len(peaks) == 3 and all(b > a * 1.5 for a, b in itertools.pairwise(peaks)), peaks
+    assert mem["per_step"][0]["sources"]["peak_bytes"].startswith("live tensor bytes counted at dispatch")
+
+    db = tmp_path / "oom.duckdb"
+    out = _capture(tmp_path, db, OOM, collect="memory", flag="--memory-dispatch")
+    assert out.returncode == 1 and out.stdout == "step 8\nstep 16\n"
+    oom = _memory(db, tmp_path)["oom"]
+    assert (oom["step"], oom["module"], oom["op"], oom["op_source"]) == (2, "blocks.2", "aten::repeat", "dispatch")
+    assert oom["requested_bytes"] == 1 << 34
+    assert oom["holders"] and sum(h["bytes"] for h in oom["holders"]) > 0

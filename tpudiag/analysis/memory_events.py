@@ -29,6 +29,7 @@ METHOD = "profiler"
 TIMELINE_POINTS = 2000  # per device and window (the peak always kept)
 TOP_ALLOCATIONS = 20
 BEFORE_WINDOW = "(allocated before the window)"
+_WHAT = {"profiler": "profiler memory events", "dispatch": "live tensor bytes counted at dispatch"}
 
 
 @dataclass
@@ -199,6 +200,7 @@ def analyse(
     steps: Sequence[StepSpan] = (),
     rank: int = 0,
     oom_start_ns: int | None = None,
+    method: str = METHOD,
 ) -> WindowMemory:
     """The window's timeline, live blocks at its peak, largest allocations and per-step peaks (per device); with
     ``oom_start_ns``, the blocks live when the failing op started (kind "at_oom")."""
@@ -217,7 +219,7 @@ def analyse(
             reserved = int(mem.total_reserved[i])
             out.points.append(
                 MemoryPoint(
-                    run_id, window, int(mem.ts_ns[i]), int(mem.total_allocated[i]), METHOD,
+                    run_id, window, int(mem.ts_ns[i]), int(mem.total_allocated[i]), method,
                     reserved if reserved > 0 else None, name, step_at[i], rank,
                 )
             )  # fmt: skip
@@ -226,13 +228,13 @@ def analyse(
             total = int(mem.total_allocated[peak])
             for m, o, s, b, c in _group(_live_at(mem, dev, peak), sites, total):
                 out.blocks.append(
-                    MemoryBlock(run_id, window, "at_peak", b, METHOD, c, name, m, o, s, step_at[peak],
+                    MemoryBlock(run_id, window, "at_peak", b, method, c, name, m, o, s, step_at[peak],
                                 int(mem.ts_ns[peak]), rank)
                 )  # fmt: skip
         allocs = idx[mem.nbytes[idx] > 0]
         for k in allocs[np.argsort(-mem.nbytes[allocs], kind="stable")][:TOP_ALLOCATIONS].tolist():
             out.blocks.append(
-                MemoryBlock(run_id, window, "top_alloc", int(mem.nbytes[k]), METHOD, 1, name, sites.module[k],
+                MemoryBlock(run_id, window, "top_alloc", int(mem.nbytes[k]), method, 1, name, sites.module[k],
                             sites.op[k], sites.shapes[k], step_at[k], int(mem.ts_ns[k]), rank)
             )  # fmt: skip
         if oom_start_ns is not None:
@@ -242,15 +244,21 @@ def analyse(
                 total_then = int(mem.total_allocated[last]) if mem.total_allocated[last] >= 0 else None
                 for m, o, s, b, c in _group(_live_at(mem, dev, last), sites, total_then):
                     out.blocks.append(
-                        MemoryBlock(run_id, window, "at_oom", b, METHOD, c, name, m, o, s, step_at[last],
+                        MemoryBlock(run_id, window, "at_oom", b, method, c, name, m, o, s, step_at[last],
                                     int(mem.ts_ns[last]), rank)
                     )  # fmt: skip
-        out.steps += _step_peaks(mem, idx, step_at, run_id, name, rank)
+        out.steps += _step_peaks(mem, idx, step_at, run_id, name, rank, method)
     return out
 
 
 def _step_peaks(
-    mem: MemoryEvents, idx: np.ndarray[Any, Any], step_at: list[int | None], run_id: str, device: str, rank: int
+    mem: MemoryEvents,
+    idx: np.ndarray[Any, Any],
+    step_at: list[int | None],
+    run_id: str,
+    device: str,
+    rank: int,
+    method: str = METHOD,
 ) -> list[MemoryStep]:
     peaks: dict[int, list[int]] = {}  # step -> [peak, allocated after its last event, ts of that event]
     for k in idx.tolist():
@@ -261,11 +269,11 @@ def _step_peaks(
         cur[0] = max(cur[0], total)
         cur[1], cur[2] = total, int(mem.ts_ns[k])
     sources = json.dumps(
-        {"peak_bytes": "profiler memory events (max Total Allocated in the step)",
-         "allocated_bytes": "profiler memory events (Total Allocated after the step's last event)"}
+        {"peak_bytes": f"{_WHAT[method]} (max live bytes in the step)",
+         "allocated_bytes": f"{_WHAT[method]} (live bytes after the step's last event)"}
     )  # fmt: skip
     return [
-        MemoryStep(run_id, s, "profiler", ts, device, allocated_bytes=last, peak_bytes=peak, sources=sources,
+        MemoryStep(run_id, s, method, ts, device, allocated_bytes=last, peak_bytes=peak, sources=sources,
                    rank=rank)
         for s, (peak, last, ts) in sorted(peaks.items())
     ]  # fmt: skip

@@ -50,7 +50,7 @@ def per_step(store: Store, run_id: str, rank: int = 0, limit: int | None = None)
             value = row[fig]
             if value is None:
                 continue
-            prefer = fig == "peak_bytes" and row["origin"] == "profiler"
+            prefer = fig == "peak_bytes" and row["origin"] != "sampler"
             if out.get(fig) is None or prefer:
                 out[fig] = value
                 out["sources"][fig] = sources.get(fig, row["origin"])
