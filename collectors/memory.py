@@ -81,7 +81,7 @@ class MemoryCollector:
         "memory per step (device allocator, libtpu HBM, process RSS, each with its source), per module and op at "
         "the peak when the trace records allocations (--profile-memory), and the diagnosis of an out-of-memory error"
     )
-    start_order = 20  # after the trace collector: it stops first, before the trace's last window is analysed
+    start_order = 25  # after the trace (it stops first, before the trace's last window is analysed), before numerics
 
     def __init__(self) -> None:
         self._ctx: CaptureContext | None = None
