@@ -78,8 +78,8 @@ def _oom_in(exc: BaseException) -> tuple[BaseException, Any] | None:
 class MemoryCollector:
     name = "memory"
     description = (
-        "memory per step (device allocator, libtpu HBM, process RSS, each with its source), per module and op at "
-        "the peak when the trace records allocations (--profile-memory), and the diagnosis of an out-of-memory error"
+        "memory per step (device allocator, libtpu HBM, process RSS, each figure with its source), what was live at "
+        "the peak by module and op, the largest allocations, and the diagnosis of an out-of-memory error"
     )
     start_order = 25  # after the trace (it stops first, before the trace's last window is analysed), before numerics
 
