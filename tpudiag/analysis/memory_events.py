@@ -130,14 +130,25 @@ def failing_op(events: pa.Table) -> dict[str, Any] | None:
         return None
     last = int(cand[np.argmax(ops.end[cand])])
     top = ops.outermost_op(last)
+    # The innermost op it raised from: among the ops inside ``top``, the last to end (the deepest on a tie).
+    inside = cand[(ops.start[cand] >= ops.start[top]) & (ops.end[cand] <= ops.end[top]) & (cand != top)]
+    depth = {int(i): _depth(ops, int(i)) for i in inside.tolist()}
+    inner = max(depth, key=lambda i: (int(ops.end[i]), depth[i])) if depth else top
     return {
         "op": ops.name[top],
-        "inner_op": ops.name[last],
-        "module": ops.module[last] or ops.module[top],
+        "inner_op": ops.name[inner],
+        "module": ops.module[inner] or ops.module[top],
         "shapes": ops.shapes[top],
         "start_ns": int(ops.start[top]),
         "step": ops.step[top],
     }
+
+
+def _depth(ops: _Ops, i: int) -> int:
+    d = 0
+    while ops.parent[i] >= 0:
+        i, d = int(ops.parent[i]), d + 1
+    return d
 
 
 def _live_at(mem: MemoryEvents, dev: int, upto: int) -> dict[int, tuple[int, int]]:
