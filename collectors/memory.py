@@ -19,6 +19,7 @@ Nothing here runs per op or per module call: the cost is one sample per step.
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -86,8 +87,8 @@ class MemoryCollector:
     def __init__(self) -> None:
         self._ctx: CaptureContext | None = None
         self._sampler: Any = None
-        self._rows: list[Any] = []
-        self._lock = threading.Lock()
+        # deque: append (the step's thread) and popleft (the flusher) are atomic, so the step takes no lock
+        self._rows: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque()
         self._steps = 0
         self._hooks: list[Any] = []
         self._remove_listener: Any = None
@@ -139,10 +140,14 @@ class MemoryCollector:
             return
         from tpudiag.model import MemoryStep
 
-        with self._lock:
-            pending, self._rows = self._rows, []
-            if pending:
-                self._last_flushed = pending[-1][2]
+        pending = []
+        while True:
+            try:
+                pending.append(self._rows.popleft())
+            except IndexError:
+                break
+        if pending:
+            self._last_flushed = pending[-1][2]
         sources_json: dict[tuple[tuple[str, str], ...], str] = {}  # a run's steps share a few source sets
         rows = []
         for step, ts_ns, fig in pending:
@@ -217,8 +222,7 @@ class MemoryCollector:
         """One step's figures (the sampler's dict), kept for the next flush (records are built there, off the
         step)."""
         fig: dict[str, Any] = self._sampler.sample()
-        with self._lock:
-            self._rows.append((step, time.time_ns(), fig))
+        self._rows.append((step, time.time_ns(), fig))
         return fig
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -250,8 +254,11 @@ class MemoryCollector:
                         live, live_source = fig[key], fig["sources"].get(key)
                         break
             limit = parsed.limit_bytes if parsed.limit_bytes is not None else fig.get("limit_bytes")
-            with self._lock:
-                last = self._rows[-1][2] if self._rows else self._last_flushed
+            last: dict[str, Any] | None
+            try:
+                last = self._rows[-1][2]
+            except IndexError:
+                last = self._last_flushed
             self._oom = {
                 "kind": parsed.kind,
                 "message": str(err)[:20000],
