@@ -6,6 +6,7 @@ from typing import Any
 
 import streamlit as st
 
+from tpudiag import memory_report
 from tpudiag.app import memory_charts
 from tpudiag.app.common import current_run, guarded, load, not_captured, run_heading
 from tpudiag.memory_report import human_bytes
@@ -30,8 +31,7 @@ def render(s: Store) -> None:
         return
     run = queries.resolve_run(s, rid)
     run_heading("Memory", run)
-    view = load("load_memory", s, rid, window=st.session_state.get("mem_window"))
-    section = view.section
+    section = memory_report.build_section(s, run)
     if section is None:
         not_captured("memory figures", s, "memory", run)
         return
@@ -52,6 +52,7 @@ def render(s: Store) -> None:
         if oom.get("allocations"):
             st.subheader("XLA's largest program allocations")
             st.dataframe(oom["allocations"], hide_index=True, key="mem_xla")
+    view = load("load_memory", s, rid, window=st.session_state.get("mem_window"))
     fig = memory_charts.per_step_lines(section["per_step"])
     if fig is not None:
         st.plotly_chart(fig, key="mem_steps")

@@ -113,8 +113,7 @@ class LiveBytes(TorchDispatchMode):
 
     def take_window(self) -> tuple[Any, Any] | None:
         """The events since the last call as (MemoryEvents, Sites) for ``memory_events.analyse``; None if none."""
-        from tpudiag.analysis.memory_events import Sites
-        from tpudiag.traces.kineto_memory import MemoryEvents
+        from tpudiag.analysis.memory_events import MemoryEvents, Sites
 
         with self._lock:
             events, self.events = self.events, []

@@ -10,9 +10,9 @@ import numpy as np
 
 from tests.factories import make_event
 from tpudiag.analysis import memory_events as me
+from tpudiag.analysis.memory_events import MemoryEvents
 from tpudiag.analysis.step_summary import StepSpan
 from tpudiag.model import TraceEvent, records_to_arrow
-from tpudiag.traces.kineto_memory import MemoryEvents
 
 T0 = 1_000_000
 

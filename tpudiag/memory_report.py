@@ -84,9 +84,16 @@ def human_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def render_section(section: dict[str, Any]) -> list[str]:
-    from tpudiag.report import table
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """Right-aligned columns (every column of this section is a number)."""
+    widths = [max(len(c) for c in col) for col in zip(headers, *rows, strict=True)]
+    return [
+        "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True))
+        for r in [headers, ["-" * w for w in widths], *rows]
+    ]
 
+
+def render_section(section: dict[str, Any]) -> list[str]:
     hb = human_bytes
     lines = [
         f"memory: peak {hb(section['peak_bytes'])}"
@@ -98,23 +105,11 @@ def render_section(section: dict[str, Any]) -> list[str]:
     if steps:
         shown = steps if len(steps) <= 8 else [*steps[:4], *steps[-4:]]
         lines.append("  per step:")
-        lines += [
-            "    " + line
-            for line in table(
-                ["step", "allocated", "reserved", "peak", "rss"],
-                [
-                    [
-                        str(s["step"]),
-                        hb(s["allocated_bytes"]),
-                        hb(s["reserved_bytes"]),
-                        hb(s["peak_bytes"]),
-                        hb(s["rss_bytes"]),
-                    ]
-                    for s in shown
-                ],
-                right={0, 1, 2, 3, 4},
-            )
+        rows = [
+            [str(s["step"]), hb(s["allocated_bytes"]), hb(s["reserved_bytes"]), hb(s["peak_bytes"]), hb(s["rss_bytes"])]
+            for s in shown
         ]
+        lines += ["    " + line for line in _table(["step", "allocated", "reserved", "peak", "rss"], rows)]
     if section["by_module_at_peak"]:
         lines.append(f"  live at the peak, by module ({section['method']} method):")
         lines += [f"    {hb(m['bytes']):>12}  {m['module']}" for m in section["by_module_at_peak"][:8]]

@@ -23,13 +23,31 @@ import pyarrow as pa
 from tpudiag.analysis.step_summary import StepSpan
 from tpudiag.analysis.steps import assign_steps
 from tpudiag.model import MemoryBlock, MemoryPoint, MemoryStep
-from tpudiag.traces.kineto_memory import MemoryEvents
 
 METHOD = "profiler"
 TIMELINE_POINTS = 2000  # per device and window (the peak always kept)
 TOP_ALLOCATIONS = 20
 BEFORE_WINDOW = "(allocated before the window)"
 _WHAT = {"profiler": "profiler memory events", "dispatch": "live tensor bytes counted at dispatch"}
+
+
+@dataclass
+class MemoryEvents:
+    """Columns, in time order: ``ts_ns`` (epoch ns, as ``kineto.load`` computes it), ``addr``, ``nbytes``,
+    ``total_allocated``, ``total_reserved`` (-1: not given), ``device`` codes into ``devices`` ("cpu", "cuda:0"),
+    ``thread`` as (pid, tid) strings."""
+
+    ts_ns: np.ndarray[Any, Any]
+    addr: np.ndarray[Any, Any]
+    nbytes: np.ndarray[Any, Any]
+    total_allocated: np.ndarray[Any, Any]
+    total_reserved: np.ndarray[Any, Any]
+    device: np.ndarray[Any, Any]
+    devices: list[str]
+    threads: list[tuple[str, str]]
+
+    def __len__(self) -> int:
+        return len(self.ts_ns)
 
 
 @dataclass

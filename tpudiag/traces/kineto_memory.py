@@ -10,12 +10,12 @@ here, in one more pass over the file.
 from __future__ import annotations
 
 import gzip
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
+
+from tpudiag.analysis.memory_events import MemoryEvents
 
 DEVICE_TYPES = {0: "cpu", 1: "cuda", 8: "ipu", 12: "xpu", 13: "mps", 20: "privateuse1"}
 
@@ -45,25 +45,6 @@ class _Doc(msgspec.Struct, gc=False):
 
 _DOC = msgspec.json.Decoder(_Doc)
 _ARGS = msgspec.json.Decoder(_MemArgs)
-
-
-@dataclass
-class MemoryEvents:
-    """Columns, in time order: ``ts_ns`` (epoch ns, as ``kineto.load`` computes it), ``addr``, ``nbytes``,
-    ``total_allocated``, ``total_reserved`` (-1: not given), ``device`` codes into ``devices`` ("cpu", "cuda:0"),
-    ``thread`` as (pid, tid) strings."""
-
-    ts_ns: np.ndarray[Any, Any]
-    addr: np.ndarray[Any, Any]
-    nbytes: np.ndarray[Any, Any]
-    total_allocated: np.ndarray[Any, Any]
-    total_reserved: np.ndarray[Any, Any]
-    device: np.ndarray[Any, Any]
-    devices: list[str]
-    threads: list[tuple[str, str]]
-
-    def __len__(self) -> int:
-        return len(self.ts_ns)
 
 
 def _device_name(dtype: int, index: int) -> str:

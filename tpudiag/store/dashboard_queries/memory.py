@@ -1,4 +1,5 @@
-"""The memory collector's records (the Memory page): the report's memory section and one window's live bytes."""
+"""The memory collector's records (the Memory page): its trace windows and one window's live bytes (the page takes
+the rest from ``tpudiag.memory_report``, which reads the store through ``memory_queries``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from tpudiag.store.database import Store
 
 @dataclass
 class MemoryView:
-    section: dict[str, Any] | None  # memory_report.build_section; None: no memory recorded
     windows: list[int]
     window: int | None
     timeline: list[dict[str, Any]]  # live bytes of ``window``
@@ -19,13 +19,10 @@ class MemoryView:
 
 
 def load_memory(store: Store, run_id: str, window: int | None = None) -> MemoryView:
-    from tpudiag import memory_report
-
-    section = memory_report.build_section(store, {"id": run_id})
-    windows = memory_queries.windows(store, run_id) if section is not None else []
+    windows = memory_queries.windows(store, run_id)
     if window not in windows:
         window = memory_queries.peak_window(store, run_id) if windows else None
         if window not in windows:
             window = windows[0] if windows else None
     timeline = memory_queries.timeline(store, run_id, window) if window is not None else []
-    return MemoryView(section, windows, window, timeline)
+    return MemoryView(windows, window, timeline)
