@@ -177,3 +177,39 @@ def test_dispatch_method_without_the_trace(tmp_path: Path) -> None:
     assert (oom["step"], oom["module"], oom["op"], oom["op_source"]) == (2, "blocks.2", "aten::repeat", "dispatch")
     assert oom["requested_bytes"] == 1 << 34
     assert oom["holders"] and sum(h["bytes"] for h in oom["holders"]) > 0
+
+
+BLOCK = """
+import json, sys, torch
+import tpudiag
+
+class Wide(torch.nn.Module):
+    def forward(self, x):
+        return torch.empty(10**14, dtype=torch.uint8)  # a real allocation the CPU allocator refuses
+
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), Wide())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+try:
+    with tpudiag.capture(name="block_oom", db=sys.argv[1], collect="trace,memory") as run:
+        for _ in range(2):
+            model[0](torch.ones(4, 8)).sum().backward()
+            opt.step()
+        model(torch.ones(4, 8))
+except RuntimeError as err:
+    print(json.dumps({"id": run.id, "status": run.status, "error": str(err)[:80]}))
+"""
+
+
+@pytest.mark.slow
+def test_out_of_memory_in_a_captured_block(tmp_path: Path, db: Path) -> None:
+    (tmp_path / "block.py").write_text(BLOCK)
+    out = subprocess.run(
+        [sys.executable, "block.py", str(db)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert facts["status"] == "failed" and "DefaultCPUAllocator" in facts["error"]  # the block's error goes on
+    rep = run_tpudiag("report", "--db", str(db), "--json", facts["id"], cwd=tmp_path)
+    oom = json.loads(rep.stdout)["memory"]["oom"]
+    assert (oom["kind"], oom["step"], oom["module"], oom["op"]) == ("cpu_alloc", 2, "1", "aten::empty")
+    assert oom["requested_bytes"] == 10**14

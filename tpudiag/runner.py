@@ -62,7 +62,8 @@ def add_failure_listener(listener: Callable[[BaseException], None]) -> Callable[
     return remove
 
 
-def _tell_failure(exc: BaseException) -> None:
+def tell_failure(exc: BaseException) -> None:
+    """Give ``exc`` (the exception that ends the script or a captured block) to the failure listeners."""
     for listener in list(_failure_listeners):
         with contextlib.suppress(Exception):
             listener(exc)
@@ -178,7 +179,7 @@ def run(target: Target) -> Outcome:
     except Terminated:
         return Outcome(143, "interrupted", "SIGTERM")
     except BaseException as exc:
-        _tell_failure(exc)
+        tell_failure(exc)
         summary = _print_exception(exc)
         return Outcome(1, "failed", summary)
     finally:
