@@ -37,6 +37,7 @@ class CaptureOptions:
     flush_interval_s: float = field(default_factory=lambda: float(os.environ.get("TPUDIAG_FLUSH_S", "10")))
     collector_options: dict[str, Any] = field(default_factory=dict)
     run_id: str | None = None  # launchers only: the job's run id, the same on every node (distributed/multinode.py)
+    remote: str | None = None  # launchers only: upload the node's run folder there (tpudiag.remote)
     # Store the run before returning; otherwise a detached child stores it after the script's exit (deferred_store).
     wait: bool = field(default_factory=lambda: os.environ.get("TPUDIAG_WAIT", "") not in ("", "0"))
 
@@ -170,6 +171,8 @@ def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
     target = normalize(target)
     if options.run_id and not is_launcher(target):
         raise UsageError("--run-id joins the nodes of one distributed job: needs torchrun (-m torch.distributed.run)")
+    if options.remote and not is_launcher(target):
+        raise UsageError("--remote uploads the shards of a distributed job: needs torchrun (-m torch.distributed.run)")
     try:
         if is_launcher(target):
             from tpudiag.distributed import launch

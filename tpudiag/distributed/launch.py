@@ -21,13 +21,15 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from tpudiag import environment, runner
+from tpudiag import environment, remote, runner
 from tpudiag.capture import CaptureOptions, CaptureResult
 from tpudiag.clock import SystemClock
 from tpudiag.distributed import merge, multinode
 from tpudiag.distributed.session import CONFIG_ENV, ORIGINAL_PYTHON_EXEC_ENV, WorkerConfig
 from tpudiag.errors import TpudiagError
 from tpudiag.plugins import CaptureContext, load_collectors
+from tpudiag.remote import layout
+from tpudiag.remote.location import parse as parse_remote
 from tpudiag.run_setup import RunStart, begin_run, new_run
 from tpudiag.spool import Spool
 from tpudiag.store import Store
@@ -74,7 +76,11 @@ def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureR
     script = next((a for a in target.args if not a.startswith("-")), None)
     name = options.name or (Path(script).stem if script else "torchrun")
     start = RunStart(name, target.display, target.args, Path(script) if script else Path.cwd())
-    job = multinode.job_id(target.args, options.run_id)
+    job = layout.derive_run_id(options.run_id, target.args)
+    upload = None
+    if options.remote:  # checked before the job starts: a bad URL or a missing client extra is a usage error
+        upload = parse_remote(options.remote)
+        upload.filesystem()
     node: multinode.NodeMarker | None = None
     if job is None:
         run, run_dir = begin_run(store, clock, start, collectors)
@@ -86,6 +92,13 @@ def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureR
         node.enter()
     run_id = run.id
     ctx = CaptureContext(run_id=run_id, run_dir=run_dir, spool=Spool(run_dir / "spool"), clock=clock)
+    if upload is not None:
+        try:  # every node uploads under the job's id (a local id may have moved on to ID.2 in this node's store)
+            remote.begin(upload.url, run_dir, job or run_id)
+        except TpudiagError:
+            raise
+        except Exception as err:  # the job runs anyway; its files stay local (tpudiag upload RUN retries)
+            ctx.note(remote.redact(f"the uploader did not start: {type(err).__name__}: {err}"))
     if any(a.split("=", 1)[0] in UNREACHED_FLAGS for a in target.args):
         ctx.note("--run-path / --no-python workers do not start through PYTHON_EXEC: they were not captured")
     config = WorkerConfig(
@@ -111,6 +124,8 @@ def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureR
         device_name=device_name,
         notes=list(ctx.notes) + ([f"launcher ended with {outcome.error}"] if outcome.error else []),
     )
+    if upload is not None:
+        remote.end(run_dir, final)
     if node is not None:
         still_running = node.leave(final.status, final.exit_code, final.notes)
         if still_running:  # another node's ranks are still at work: the last node out merges the job

@@ -19,6 +19,7 @@ from typing import Any
 
 from tpudiag import environment, runner
 from tpudiag.clock import SystemClock
+from tpudiag.distributed import selection
 from tpudiag.distributed.identity import RankIdentity
 from tpudiag.distributed.probe import DistributedProbe
 from tpudiag.distributed.records import RankInfo
@@ -135,6 +136,10 @@ class WorkerSession:
             run_id=self.config.run_id, run_dir=self.workdir, spool=self.spool, options=options, clock=SystemClock()
         )
         collectors = load_collectors(self.config.collect)
+        skip = selection.deselected(options, provisional or 0, self.identity.local_rank, self.identity.world_size)
+        if skip:  # --trace-ranks / --numerics-ranks: the same rule on every rank, from the launcher's environment
+            collectors = [c for c in collectors if c.name not in skip]
+            self.notes.append(f"rank not selected for: {', '.join(sorted(skip))}")
         for c in collectors:
             try:
                 c.prepare(self.ctx)
