@@ -7,6 +7,7 @@ Slow tests: every one runs two real torchrun launchers (c10d rendezvous on 127.0
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 JOB = r"""
 import os, sys, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
+torch.manual_seed(0)
 rank = dist.get_rank()
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -46,7 +48,7 @@ dist.destroy_process_group()
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TPUDIAG_DB"}
-    env.update({"OMP_NUM_THREADS": "1", "TPUDIAG_FLUSH_S": "1", "TPUDIAG_UPLOAD_S": "1"})
+    env.update({"OMP_NUM_THREADS": "1", "TPUDIAG_FLUSH_S": "1", "TPUDIAG_UPLOAD_S": "1", "TPUDIAG_UPLOAD_GIVE_UP_S": "60"})
     env.update(extra)
     return env
 
@@ -75,9 +77,9 @@ def start_nodes(tmp: Path, url: str, rdzv: str, env: dict[str, str], extra: tupl
     return procs
 
 
-def wait_uploads(tmp: Path, run_id: str, timeout: float = 120) -> list[str]:
+def wait_uploads(tmp: Path, run_id: str, timeout: float = 120, nodes: tuple[int, ...] = (0, 1)) -> list[str]:
     states = []
-    for node in (0, 1):
+    for node in nodes:
         status = tmp / f"node{node}" / "store.runs" / run_id / "upload" / "status.json"
         deadline = time.monotonic() + timeout
         while not status.is_file() and time.monotonic() < deadline:
@@ -178,3 +180,99 @@ def test_two_nodes_gcs(tmp_path: Path) -> None:
         result = two_node_job(tmp_path, "gs://pod/jobs", gcs.env, "gcsjob")
         check_one_run(result)
     assert grep_secret(tmp_path, result["texts"]) == []
+
+
+def _listed_objects_whole(fs: Any, prefix: str) -> dict[str, list[str]]:
+    """node -> objects its manifests name; every one exists and every Parquet one reads whole."""
+    import pyarrow.parquet as pq
+
+    named: dict[str, list[str]] = {}
+    for manifest in fs.glob(f"{prefix}/manifests/run_id=*/node=*/manifest-*.json"):
+        node = manifest.split("/node=", 1)[1].split("/", 1)[0]
+        for obj in json.loads(fs.cat_file(manifest))["objects"]:
+            path = f"{prefix}/{obj['object']}"
+            assert fs.size(path) == obj["size"]
+            if path.endswith(".parquet"):
+                with fs.open(path, "rb") as fh:
+                    pq.read_table(fh)
+            named.setdefault(node, []).append(obj["object"])
+    return named
+
+
+def test_node_killed_mid_run(tmp_path: Path) -> None:
+    with s3_server() as s3:
+        env = _env(s3.env | {"JOB_STEPS": "400", "JOB_SLEEP": "0.05"})
+        procs = start_nodes(tmp_path, "s3://pod/k", "killjob", env)
+        sent = tmp_path / "node1" / "store.runs" / "killjob" / "upload" / "uploaded.jsonl"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and "/dist_fingerprints/" not in (sent.read_text() if sent.is_file() else ""):
+            time.sleep(0.2)
+        assert "/dist_fingerprints/" in sent.read_text()  # node 1 is mid-run: some of its parts are in the bucket
+        # The whole of node 1 dies at once: its launcher, its worker (torchrun starts workers in sessions of
+        # their own) and its uploader.
+        run1 = tmp_path / "node1" / "store.runs" / "killjob"
+        workers = [int(d.name.split("-", 1)[1]) for d in (run1 / "workers").iterdir()]
+        uploader = int((run1 / "upload" / "uploader.pid").read_text())
+        for pid in [procs[1].pid, *workers, uploader]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        procs[1].wait(timeout=30)
+        procs[0].communicate(timeout=240)
+        assert procs[0].returncode != 0  # its peer vanished: torchrun on node 0 reports the failure
+        assert wait_uploads(tmp_path, "killjob", nodes=(0,)) == ["done"]
+        assert not (run1 / "upload" / "status.json").exists()  # node 1's uploader died with it
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        named = _listed_objects_whole(fs, "pod/k")
+        assert len(named) == 2
+        completes = fs.glob("pod/k/manifests/run_id=killjob/node=*/complete.json")
+        assert len(completes) == 1  # the killed node never wrote its completion marker
+        reader = tmp_path / "reader"
+        reader.mkdir()
+        res = tpudiag("report", "--remote", "s3://pod/k", "killjob", "--json", env=env, cwd=reader)
+        assert res.returncode == 0, res.stderr
+        data = json.loads(res.stdout)
+        killed = next(n for n in data["nodes"] if not n["finished"])
+        dist = data["distributed"]
+        by_status = {r["status"]: r for r in dist["ranks"]}
+        assert set(by_status) == {"lost", "failed"}
+        assert by_status["lost"]["pid"] is None  # no rank record from the killed rank: named lost
+        assert by_status["failed"]["steps"] > 0 and by_status["failed"]["pid"]  # the other node's record is whole
+        assert any(killed["node"] in n for n in data["run"]["notes"])
+        g = tpudiag("gather", "s3://pod/k", "--db", str(reader / "g.duckdb"), env=env, cwd=reader)
+        assert g.returncode == 0 and "no completion marker" in g.stdout, g.stderr
+        store = Store(reader / "g.duckdb")
+        assert queries.list_runs(store)[0]["status"] == "failed"
+
+
+def test_upload_server_down_for_a_while(tmp_path: Path) -> None:
+    script_env = {"JOB_STEPS": "6", "JOB_SLEEP": "0.2"}
+    with s3_server() as s3:
+        env = _env(s3.env | script_env)
+        s3.stop()  # down before the job starts, and until well after it ends
+        procs = start_nodes(tmp_path, "s3://pod/down", "downjob", env)
+        outs = [p.communicate(timeout=240) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0]  # the job neither waited for nor failed on the bucket
+        status = tmp_path / "node0" / "store.runs" / "downjob" / "upload" / "status.json"
+        assert not status.exists()  # still retrying
+        time.sleep(3)
+        s3.start()
+        assert wait_uploads(tmp_path, "downjob") == ["done", "done"]
+        log = (tmp_path / "node0" / "store.runs" / "downjob" / "upload" / "uploader.log").read_text()
+        assert "EndpointConnectionError" in log or "Connect" in log  # it did retry
+        reader = tmp_path / "reader"
+        reader.mkdir()
+        g = tpudiag("gather", "s3://pod/down", "--run", "downjob", "--db", str(reader / "g.duckdb"), env=env, cwd=reader)
+        assert g.returncode == 0, g.stderr
+        rep = tpudiag("report", "downjob", "--db", str(reader / "g.duckdb"), "--json", env=env, cwd=reader)
+        dist = json.loads(rep.stdout)["distributed"]
+        assert [(r["rank"], r["status"], r["steps"]) for r in dist["ranks"]] == [(0, "ok", 6), (1, "ok", 6)]
+    # The job's own output is what plain torchrun prints (same seed, all-reduced weights).
+    plain = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "train.py")],
+        capture_output=True, text=True, env=_env(script_env), cwd=tmp_path, timeout=240,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    assert sorted(o for o, _ in outs) == sorted(plain.stdout.splitlines(keepends=True))
+    assert grep_secret(tmp_path, [o for pair in outs for o in pair] + [g.stdout, g.stderr]) == []

@@ -48,7 +48,7 @@ def begin(url: str, run_dir: Path, run_id: str, node: str | None = None) -> Uplo
     (up / "events").mkdir(parents=True, exist_ok=True)
     config.save(run_dir)
     with open(up / "uploader.out", "ab") as out:
-        subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "tpudiag.remote.uploader", str(run_dir)],
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -56,6 +56,7 @@ def begin(url: str, run_dir: Path, run_id: str, node: str | None = None) -> Uplo
             start_new_session=True,  # a signal to the job's process group does not reach it
             close_fds=True,
         )
+    (up / "uploader.pid").write_text(str(proc.pid))
     return config
 
 

@@ -59,6 +59,10 @@ class GiveUp(Exception):
     pass
 
 
+class Vanished(Exception):
+    """A local file removed between listing and upload (never retried)."""
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -102,15 +106,20 @@ class Uploader:
         while True:
             try:
                 return fn()
+            except Vanished:
+                raise
             except Exception as err:  # any client error: the bucket may be back later
                 self.log(f"{what}: {type(err).__name__}: {err}")
                 self._fs = None  # a fresh client (and connection pool) for the next try
-                if self.deadline is None and (folder(self.run_dir) / "events" / "end.json").is_file():
+                if self.deadline is None and self._job_over():
                     self.deadline = time.time() + self.give_up_s  # the job is over: retries are bounded now
                 if self.deadline is not None and time.time() + delay > self.deadline:
                     raise GiveUp(what) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 30.0)
+
+    def _job_over(self) -> bool:
+        return (folder(self.run_dir) / "events" / "end.json").is_file() or not _pid_alive(self.config.launcher_pid)
 
     def _put_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
         path = self.remote.path(*parts)
@@ -118,7 +127,16 @@ class Uploader:
 
     def _put_file(self, item: plan.Item) -> None:
         path = self.remote.path(*item.object)
-        self.retry(f"upload {'/'.join(item.object)}", lambda: self.fs.put_file(str(item.local), path))
+
+        def put() -> None:
+            try:
+                self.fs.put_file(str(item.local), path)
+            except FileNotFoundError:
+                if item.local.is_file():  # the bucket said "not found" (a missing bucket): worth a retry
+                    raise
+                raise Vanished(str(item.local)) from None  # a transient local file, gone meanwhile: skip it
+
+        self.retry(f"upload {'/'.join(item.object)}", put)
 
     # -- batches -------------------------------------------------------------------------------------------------
     def pending(self, items: Iterable[plan.Item]) -> list[plan.Item]:
@@ -137,8 +155,12 @@ class Uploader:
             for item in items:
                 if not item.local.is_file():
                     continue
-                self._put_file(item)
-                done.append({"object": "/".join(item.object), "size": item.local.stat().st_size})
+                size = item.local.stat().st_size
+                try:
+                    self._put_file(item)
+                except Vanished:
+                    continue
+                done.append({"object": "/".join(item.object), "size": size})
                 with open(self.state_path, "a", encoding="utf-8") as fh:  # local bookkeeping: appends are fine here
                     fh.write(json.dumps({"object": done[-1]["object"], "local": str(item.local)}) + "\n")
                 self.uploaded[done[-1]["object"]] = str(item.local)
