@@ -68,7 +68,8 @@ def s3_server(bucket: str = "pod") -> Iterator[S3Server]:
     try:
         import s3fs
 
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
+        with contextlib.suppress(FileExistsError):  # moto keeps its buckets for the life of this process
+            s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
         yield s3
     finally:
         with contextlib.suppress(Exception):

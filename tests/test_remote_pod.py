@@ -48,7 +48,8 @@ dist.destroy_process_group()
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TPUDIAG_DB"}
-    env.update({"OMP_NUM_THREADS": "1", "TPUDIAG_FLUSH_S": "1", "TPUDIAG_UPLOAD_S": "1", "TPUDIAG_UPLOAD_GIVE_UP_S": "60"})
+    env.update({"OMP_NUM_THREADS": "1", "TPUDIAG_FLUSH_S": "1", "TPUDIAG_UPLOAD_S": "1"})
+    env["TPUDIAG_UPLOAD_GIVE_UP_S"] = "60"
     env.update(extra)
     return env
 
@@ -68,11 +69,9 @@ def start_nodes(tmp: Path, url: str, rdzv: str, env: dict[str, str], extra: tupl
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv,
             "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}", str(script),
         ]  # fmt: skip
+        out = subprocess.PIPE
         procs.append(
-            subprocess.Popen(
-                cmd, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                start_new_session=True,
-            )  # fmt: skip
+            subprocess.Popen(cmd, cwd=home, env=env, stdout=out, stderr=out, text=True, start_new_session=True)
         )
     return procs
 
@@ -263,7 +262,8 @@ def test_upload_server_down_for_a_while(tmp_path: Path) -> None:
         assert "EndpointConnectionError" in log or "Connect" in log  # it did retry
         reader = tmp_path / "reader"
         reader.mkdir()
-        g = tpudiag("gather", "s3://pod/down", "--run", "downjob", "--db", str(reader / "g.duckdb"), env=env, cwd=reader)
+        db = str(reader / "g.duckdb")
+        g = tpudiag("gather", "s3://pod/down", "--run", "downjob", "--db", db, env=env, cwd=reader)
         assert g.returncode == 0, g.stderr
         rep = tpudiag("report", "downjob", "--db", str(reader / "g.duckdb"), "--json", env=env, cwd=reader)
         dist = json.loads(rep.stdout)["distributed"]

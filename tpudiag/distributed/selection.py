@@ -14,6 +14,7 @@ programs change (TorchTPU's "never diverge" rule is about collectives, which num
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tpudiag.errors import UsageError
@@ -63,7 +64,7 @@ def parse(spec: str, option: str = "--trace-ranks") -> RankSet:
     return RankSet(frozenset(ranks), last, first, everyone)
 
 
-def deselected(options: dict[str, object], rank: int, local_rank: int | None, world: int | None) -> set[str]:
+def deselected(options: Mapping[str, object], rank: int, local_rank: int | None, world: int | None) -> set[str]:
     """The collectors this rank leaves out under ``options`` (a capture's collector options)."""
     out = set()
     for collector, key in SELECTED_BY.items():
