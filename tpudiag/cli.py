@@ -295,7 +295,8 @@ EXTRA_COMMANDS: list[str] = [
     "tpudiag.commands.repro:register",
     "tpudiag.commands.compare:register",
     "tpudiag.commands.check:register",
-    "tpudiag.commands.remote_cmd:register",
+    "tpudiag.commands.remote_cmd:register_gather",
+    "tpudiag.commands.remote_cmd:register_upload",
 ]
 
 

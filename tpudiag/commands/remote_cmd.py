@@ -11,7 +11,7 @@ from typing import Any
 from tpudiag.errors import TpudiagError, UsageError
 
 
-def register(sub: Any) -> None:
+def register_gather(sub: Any) -> None:
     p = sub.add_parser(
         "gather",
         help="merge a run's shards from a bucket (gs://, s3://, file://) into the local store",
@@ -25,6 +25,8 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_gather)
 
+
+def register_upload(sub: Any) -> None:
     p = sub.add_parser(
         "upload",
         help="retry uploading what a run could not upload to its --remote bucket",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpudiag.distributed import merge
 from tpudiag.distributed.report_section import section_from
@@ -22,13 +22,34 @@ from tpudiag.remote import catalog
 from tpudiag.remote.gather import run_record
 from tpudiag.remote.location import Remote
 
+if TYPE_CHECKING:
+    import duckdb
+
 _HIVE = (
     "hive_partitioning = true, hive_types = {'run_id': VARCHAR, 'node': VARCHAR, 'rank': BIGINT}, union_by_name = true"
 )
 
 
+# What the distributed merge reads of each table (``distributed_queries``): every other table is small and read
+# whole.  Each object is read once, with only these columns (Parquet column chunks: range reads).
+_COLLECTIVES = "category = 'user_annotation' AND (starts_with(name, 'gloo:') OR starts_with(name, 'nccl:'))"
+_PROJECTIONS = {
+    # the collectives, plus one row per (rank, restart) for the ranks that traced anything (``present_ranks``)
+    "trace_events": (
+        "SELECT rank, restart, name, category, shapes, dtypes, start_ns, dur_ns, event_id FROM {src} "
+        f"WHERE {_COLLECTIVES} "
+        "UNION ALL SELECT DISTINCT rank, restart, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM {src}"
+    ),
+    "ops": "SELECT DISTINCT rank, restart FROM {src}",
+    "op_diffs": "SELECT rank, restart, verdict FROM {src}",
+}
+
+
 class BucketShards:
-    """The shard objects of one run, as ``distributed_queries`` reads them (a ``ShardSource``)."""
+    """The shard objects of one run, as ``distributed_queries`` reads them (a ``ShardSource``).
+
+    ``load(con)`` reads each table's objects once into a temporary table of ``con`` (only what the merge needs);
+    the merge's queries then run against those, so no object is fetched twice."""
 
     def __init__(self, remote: Remote, states: list[catalog.NodeState]) -> None:
         self.by_table: dict[str, list[str]] = defaultdict(list)
@@ -40,9 +61,17 @@ class BucketShards:
     def files(self, table: str) -> list[str]:
         return sorted(self.by_table.get(table, []))
 
-    def source(self, table: str) -> str:
+    def _remote(self, table: str) -> str:
         files = ", ".join("'" + f.replace("'", "''") + "'" for f in self.files(table))
         return f"(SELECT * EXCLUDE (node) FROM read_parquet([{files}], {_HIVE}))"
+
+    def load(self, con: duckdb.DuckDBPyConnection) -> None:
+        for table in self.by_table:
+            query = _PROJECTIONS.get(table, "SELECT * FROM {src}").format(src=self._remote(table))
+            con.execute(f'CREATE TEMP TABLE "remote_{table}" AS {query}')
+
+    def source(self, table: str) -> str:
+        return f'"remote_{table}"'
 
 
 def remote_report(remote: Remote, run_id: str | None, memory_limit: str | None = None) -> dict[str, Any]:
@@ -53,11 +82,13 @@ def remote_report(remote: Remote, run_id: str | None, memory_limit: str | None =
     states = catalog.nodes(remote, fs, rid)
     con = duckdb.connect(":memory:")
     try:
+        con.execute("SET enable_progress_bar = false")  # DuckDB draws it on stdout, which is the report's (--json)
         if memory_limit:
             con.execute(f"SET memory_limit = '{memory_limit}'")
         if remote.protocol != "file":
             con.register_filesystem(fs)
         source = BucketShards(remote, states)
+        source.load(con)
         merge.load_rank_data(con, source, rid)
         section = section_from(con, rid)
     finally:
