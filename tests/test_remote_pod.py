@@ -276,3 +276,31 @@ def test_upload_server_down_for_a_while(tmp_path: Path) -> None:
     assert plain.returncode == 0, plain.stderr
     assert sorted(o for o, _ in outs) == sorted(plain.stdout.splitlines(keepends=True))
     assert grep_secret(tmp_path, [o for pair in outs for o in pair] + [g.stdout, g.stderr]) == []
+
+
+def test_trace_ranks_one_node_file_bucket(tmp_path: Path) -> None:
+    """``--trace-ranks last``: only the last rank records a trace; a file:// bucket end to end, one node."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(JOB))
+    bucket = tmp_path / "bucket"
+    env = _env({})
+    res = tpudiag(
+        "capture", "--db", str(tmp_path / "s.duckdb"), "--collect", "trace", "--remote", f"file://{bucket}",
+        "--trace-ranks", "last", "torchrun", "--nproc-per-node", "2", str(script), env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    run_id = next((bucket / "manifests").iterdir()).name.split("=", 1)[1]
+    assert wait_uploads_at(tmp_path / "s.runs" / run_id) == "done"
+    rep = tpudiag("report", "--remote", f"file://{bucket}", "--json", env=env, cwd=tmp_path)
+    assert rep.returncode == 0, rep.stderr
+    ranks = json.loads(rep.stdout)["distributed"]["ranks"]
+    assert [(r["rank"], r["status"], r["steps"] > 0) for r in ranks] == [(0, "ok", False), (1, "ok", True)]
+    assert not list((bucket / "shards" / "trace_events").glob("*/*/rank=0/*.parquet"))
+
+
+def wait_uploads_at(run_dir: Path, timeout: float = 120) -> str:
+    status = run_dir / "upload" / "status.json"
+    deadline = time.monotonic() + timeout
+    while not status.is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return str(json.loads(status.read_text())["state"]) if status.is_file() else "none"
