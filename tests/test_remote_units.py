@@ -15,6 +15,7 @@ from tests.factories import make_run
 from tests.remote_servers import SECRET, s3_server
 from tpudiag.distributed import selection
 from tpudiag.distributed.records import RankInfo
+from tpudiag.distributed.run_id import derive_run_id
 from tpudiag.distributed.shards import ShardSpool
 from tpudiag.errors import UsageError
 from tpudiag.model import Step
@@ -63,11 +64,11 @@ def test_capture_remote_errors_are_one_line_without_the_secret(tmp_path: Path) -
 def test_run_id_every_host_derives_alone() -> None:
     args = ["--nnodes", "2", "--rdzv-id", "rdzv7", "t.py"]
     env = {"TORCH_TPU_XPROF_SESSION_ID": "1733130000123", "TORCHELASTIC_RUN_ID": "elastic"}
-    assert layout.derive_run_id("mine", args, env) == "mine"
-    assert layout.derive_run_id(None, args, env) == "1733130000123"
-    assert layout.derive_run_id(None, args, {"TORCHELASTIC_RUN_ID": "elastic"}) == "rdzv7"
-    assert layout.derive_run_id(None, ["t.py"], {"TORCHELASTIC_RUN_ID": "el/1"}) == "el-1"
-    assert layout.derive_run_id(None, ["t.py"], {}) is None
+    assert derive_run_id("mine", args, env) == "mine"
+    assert derive_run_id(None, args, env) == "1733130000123"
+    assert derive_run_id(None, args, {"TORCHELASTIC_RUN_ID": "elastic"}) == "rdzv7"
+    assert derive_run_id(None, ["t.py"], {"TORCHELASTIC_RUN_ID": "el/1"}) == "el-1"
+    assert derive_run_id(None, ["t.py"], {}) is None
     # Two launchers on one host never share a node key.
     assert layout.node_key("h", 1) != layout.node_key("h", 2)
 

@@ -30,7 +30,26 @@ from tpudiag.remote import layout
 from tpudiag.remote.location import parse, redact
 from tpudiag.remote.uploader import UploadConfig, folder
 
-__all__ = ["begin", "end", "files_ready", "pending", "redact"]
+__all__ = ["JobUpload", "begin", "end", "files_ready", "pending", "redact"]
+
+
+class JobUpload:
+    """``--remote URL`` for the distributed launcher (``tpudiag.distributed.launch.Upload``).  Made before the job
+    starts, so a bad URL or a missing client extra is a usage error then, not a silent failure later."""
+
+    def __init__(self, url: str) -> None:
+        self.remote = parse(url)
+        self.remote.filesystem()
+
+    def begin(self, run_dir: Path, run_id: str) -> str | None:
+        try:
+            begin(self.remote.url, run_dir, run_id)
+        except Exception as err:  # the job runs anyway; its files stay local (tpudiag upload RUN retries)
+            return redact(f"the uploader did not start: {type(err).__name__}: {err}")
+        return None
+
+    def end(self, run_dir: Path, run: Run) -> None:
+        end(run_dir, run)
 
 
 def begin(url: str, run_dir: Path, run_id: str, node: str | None = None) -> UploadConfig:

@@ -1,4 +1,4 @@
-"""Object names of a run in the bucket, and the one run id every host derives alone.
+"""Object names of a run in the bucket, and the key of the node that wrote them.
 
 Under the ``--remote`` prefix::
 
@@ -12,7 +12,8 @@ The node key is ``<hostname>-<launcher pid>``: several nodes can share a hostnam
 machine), and torchrun's c10d rendezvous hands out ranks by arrival, so neither the hostname nor ``--node-rank`` is
 unique alone.  The partition is called ``node=``, not ``host=``: the rank records already carry a ``host`` column,
 and a partition column with the same name as a file column is an error in Spark and ambiguous in DuckDB.
-Every name is written once (a new manifest per batch, never an update), so nothing relies on rename, append or
+The job's run id comes from ``tpudiag.distributed.run_id.derive_run_id``.  Every name is written once (a new
+manifest per batch, never an update), so nothing relies on rename, append or
 ``makedirs`` in the bucket.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Mapping, Sequence
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -32,27 +32,6 @@ def safe(value: str) -> str:
 
 def node_key(host: str | None = None, pid: int | None = None) -> str:
     return safe(f"{host or socket.gethostname()}-{pid if pid is not None else os.getpid()}")
-
-
-def derive_run_id(
-    explicit: str | None, launcher_args: Sequence[str] = (), env: Mapping[str, str] | None = None
-) -> str | None:
-    """The job's run id, the same on every host without any talking: ``--run-id``, else
-    ``TORCH_TPU_XPROF_SESSION_ID`` (TorchTPU's launch wrappers), else torchrun's ``--rdzv-id`` (multi-node only),
-    else ``TORCHELASTIC_RUN_ID``; None when none applies (a fresh run id).  The one place this order lives."""
-    from tpudiag.distributed import multinode
-
-    env = os.environ if env is None else env
-    if explicit:
-        return multinode.clean_id(explicit)
-    session = env.get("TORCH_TPU_XPROF_SESSION_ID", "").strip()
-    if session:
-        return multinode.clean_id(session)
-    job = multinode.job_id(launcher_args, None)
-    if job:
-        return job
-    elastic = env.get("TORCHELASTIC_RUN_ID", "").strip()
-    return multinode.clean_id(elastic) if elastic else None
 
 
 def shard_object(table: str, run_id: str, node: str, rank: int, part: str) -> tuple[str, ...]:

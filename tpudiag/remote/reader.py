@@ -11,6 +11,7 @@ its manifests: partition pruning by construction) and only the columns a query n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import defaultdict
 from pathlib import Path
@@ -82,7 +83,8 @@ def remote_report(remote: Remote, run_id: str | None, memory_limit: str | None =
     states = catalog.nodes(remote, fs, rid)
     con = duckdb.connect(":memory:")
     try:
-        con.execute("SET enable_progress_bar = false")  # DuckDB draws it on stdout, which is the report's (--json)
+        with contextlib.suppress(duckdb.Error):  # Jupyter refuses the setting without ipywidgets (no bar there)
+            con.execute("SET enable_progress_bar = false")  # DuckDB draws it on stdout, the report's (--json)
         if memory_limit:
             con.execute(f"SET memory_limit = '{memory_limit}'")
         if remote.protocol != "file":
