@@ -74,6 +74,12 @@ def main() -> dict[str, Any]:
         db = str(folder / "gathered.duckdb")
         gather_s, gather_mb, _ = _cmd(["gather", "s3://bench/pod", "--run", run_id, "--db", db], env)
         local_s, local_mb, local_out = _cmd(["report", run_id, "--db", db, "--json"], env)
+        # What the bucket client alone costs: ``tpudiag --version`` after importing s3fs and the remote reader.
+        imports = "import s3fs, tpudiag.remote.reader; " + _PEAK_RSS_MAIN
+        out = subprocess.run(
+            [sys.executable, "-c", imports, "--version"], capture_output=True, text=True, env=env, check=False
+        )
+        client_mb = int(out.stderr.strip().splitlines()[-1]) / 1024
     remote = json.loads(remote_out)["distributed"]
     local = json.loads(local_out)["distributed"]
     return {
@@ -84,6 +90,7 @@ def main() -> dict[str, Any]:
         "upload_s": round(upload_s, 2),
         "report_remote_s": round(remote_s, 2),
         "report_remote_peak_mb": round(remote_mb, 1),
+        "client_imports_peak_mb": round(client_mb, 1),  # s3fs + the reader imported, nothing read
         "gather_s": round(gather_s, 2),
         "gather_peak_mb": round(gather_mb, 1),
         "report_gathered_s": round(local_s, 2),

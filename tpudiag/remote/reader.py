@@ -90,6 +90,12 @@ def remote_report(remote: Remote, run_id: str | None, memory_limit: str | None =
         if remote.protocol != "file":
             con.register_filesystem(fs)
         source = BucketShards(remote, states)
+        if remote.protocol != "file":
+            # One listing per table of this run fills the client's directory cache: DuckDB asks each object's size
+            # and time several times, which would otherwise be a HEAD request each.
+            for table in source.by_table:
+                with contextlib.suppress(Exception):
+                    fs.find(remote.path("shards", table, f"run_id={rid}"))
         source.load(con)
         merge.load_rank_data(con, source, rid)
         section = section_from(con, rid)
