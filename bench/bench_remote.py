@@ -6,7 +6,8 @@ each node's run folder uploaded by the real uploader (``tpudiag.remote.uploader`
 loopback through s3fs.  Then, each as a command in a subprocess that reports its own peak RSS (``VmHWM``):
 
 - ``tpudiag report --remote s3://... RUN --json`` (DuckDB over the bucket's Parquet through fsspec);
-- ``tpudiag gather s3://... --run RUN`` then ``tpudiag report RUN --json`` on the gathered local run (baseline).
+- ``tpudiag gather s3://... --run RUN`` then ``tpudiag report RUN --json`` on the gathered local run (baseline);
+- ``report --remote`` on a one-rank run in the same bucket (memory baseline: what does not grow with ranks).
 
 Both must give the same distributed section and name the straggler.  Emulated bucket on loopback: the times say
 nothing about a real bucket's latency, only how the two ways compare on this machine.
@@ -68,8 +69,16 @@ def main() -> dict[str, Any]:
             assert up.finish(outcome)
             objects += len(up.uploaded)
         upload_s = time.perf_counter() - t0
+        # Baseline for memory: the same command on a one-rank run in the same bucket (the fixed cost: imports, the
+        # bucket client and its service model), so the ratio says how the read grows with ranks.
+        one = folder / "one"
+        write_job(one, "podbench1", 1, events)
+        one_config = UploadConfig("s3://bench/pod", "podbench1", "host0-2", "host0", os.getpid())
+        one_config.save(one)
+        assert Uploader(one, one_config, give_up_s=60).finish({"status": "ok", "exit_code": 0})
         env = {**os.environ, **s3.env}
         env.pop("TPUDIAG_DB", None)
+        one_s, one_mb, _ = _cmd(["report", "--remote", "s3://bench/pod", "podbench1", "--json"], env)
         remote_s, remote_mb, remote_out = _cmd(["report", "--remote", "s3://bench/pod", run_id, "--json"], env)
         db = str(folder / "gathered.duckdb")
         gather_s, gather_mb, _ = _cmd(["gather", "s3://bench/pod", "--run", run_id, "--db", db], env)
@@ -91,6 +100,8 @@ def main() -> dict[str, Any]:
         "report_remote_s": round(remote_s, 2),
         "report_remote_peak_mb": round(remote_mb, 1),
         "client_imports_peak_mb": round(client_mb, 1),  # s3fs + the reader imported, nothing read
+        "report_remote_1_rank_s": round(one_s, 2),
+        "report_remote_1_rank_peak_mb": round(one_mb, 1),
         "gather_s": round(gather_s, 2),
         "gather_peak_mb": round(gather_mb, 1),
         "report_gathered_s": round(local_s, 2),
@@ -102,6 +113,7 @@ def main() -> dict[str, Any]:
         "ratios": {
             "report_remote_vs_gather_plus_report_s": round(remote_s / (gather_s + local_s), 2),
             "report_remote_vs_gathered_report_peak_mb": round(remote_mb / local_mb, 2),
+            "report_remote_peak_mb_256_vs_1_rank": round(remote_mb / one_mb, 2),
         },
         "note": "emulated bucket (moto S3 on loopback): no network latency; compare the two ways, not absolutes",
     }
