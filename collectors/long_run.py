@@ -168,6 +168,8 @@ class LongRunMixin:
             "sources": dict(self._tracker.sources) if self._tracker else None,
             "roots": list(self._root_inputs),
             "rank": self._pulse.rank,
+            "run_dir": str(self._ctx.run_dir),
+            "profile_memory": bool(getattr(self, "_profile_memory", False)),
         }
         self._root_inputs.clear()
         try:
@@ -229,7 +231,7 @@ class LongRunMixin:
             if job is not None and not deferred and job["window_id"] == 0:
                 with contextlib.suppress(FileNotFoundError):
                     job_path = self._trace_dir / analyst.JOBS / "window-0000.json"
-                    if analyst.run_job(self._ctx.run_id, self._ctx.spool, job_path) == 0:
+                    if analyst.run_job(self._ctx.run_id, self._ctx.spool, job_path, analyst.WINDOW_HOOK) == 0:
                         self._ctx.note(NO_EVENTS)
         self._worker.stop(WORKER_WAIT_S if deferred else 600.0)
         if analyst.pending_jobs(self._trace_dir):

@@ -111,6 +111,8 @@ class TraceCollector(LongRunMixin):
         if torch.cuda.is_available():
             self._activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._with_stack = bool(ctx.options.get("with_stack"))
+        # The allocator's events, for the memory collector's per-module and per-op view (collectors/memory_window.py)
+        self._profile_memory = bool(ctx.options.get("profile_memory"))
         self._chunk_s = float(ctx.options.get("trace_chunk_s") or os.environ.get("TPUDIAG_TRACE_CHUNK_S") or 30.0)
         self._start_long_run(ctx)
         record_function = torch.autograd.profiler.record_function
@@ -196,11 +198,12 @@ class TraceCollector(LongRunMixin):
             trace_dir = Path(job["trace_dir"])
             first = trace_dir / analyst.JOBS / "window-0000.json"
             only_first = first.exists() and len(analyst.pending_jobs(trace_dir)) == 1
-            if only_first and analyst.run_job(ctx.run_id, ctx.spool, first) == 0:
+            if only_first and analyst.run_job(ctx.run_id, ctx.spool, first, analyst.WINDOW_HOOK) == 0:
                 ctx.note(NO_EVENTS)
             analyst.run_pending(ctx.run_id, ctx.spool, trace_dir)
             return
         path = Path(job["path"])
+        ctx.options.setdefault("profile_memory", bool(job.get("profile_memory")))
         # Parts named after the chunk: a finish retried after its process died rewrites them, never duplicates.
         events, _steps = _analyse_chunk(
             ctx, path, job["first_event_id"], job["first_step"], job["sources"], job["roots"], part=path.stem
@@ -259,8 +262,7 @@ class TraceCollector(LongRunMixin):
                 activities=self._activities + extra.get("activities", []),
                 record_shapes=True,
                 with_stack=self._with_stack,
-                # The memory collector (issue 22) turns allocator events on in the windows it wants them in.
-                profile_memory=bool(self._ctx.options.get("profile_memory")),
+                profile_memory=self._profile_memory,
                 experimental_config=extra.get("experimental_config"),
             )
             _quiet_stderr(prof.start)
@@ -360,6 +362,7 @@ class TraceCollector(LongRunMixin):
             "first_step": self._steps_done,
             "sources": dict(self._tracker.sources) if self._tracker else None,
             "roots": self._root_inputs[self._roots_done :],
+            "profile_memory": self._profile_memory,
         }
         self._roots_done = len(self._root_inputs)
         self._ctx.defer(self, job)
@@ -391,4 +394,17 @@ def _analyse_chunk(
     )
     ctx.spool.write_table("trace_events", tables.events, part=part)
     ctx.spool.write_table("steps", kineto_tables.steps_table(tables.steps, ctx.run_id), part=part)
+    with internal_errors.current().guard("memory", "analyse a trace window's memory"):
+        from tpudiag.collectors import memory_window
+
+        memory_window.spool_window(ctx, path, trace, tables, part=part)
     return len(trace), len(tables.steps)
+
+
+def analyse_window_extras(ctx: CaptureContext, path: Path, trace: Any, tables: Any, part: str | None) -> None:
+    """What a trace window says besides its events (``tpudiag.longrun.analyst.WINDOW_HOOK``): the memory
+    collector's allocator view, as ``_analyse_chunk`` does for a chunk."""
+    with internal_errors.current().guard("memory", "analyse a trace window's memory"):
+        from tpudiag.collectors import memory_window
+
+        memory_window.spool_window(ctx, path, trace, tables, part=part)

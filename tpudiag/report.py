@@ -1,7 +1,7 @@
 """The run report: one JSON object (``report --json``) and its text rendering.
 
 Sections other issues add (numerics, compile) register a builder and a renderer in ``SECTIONS``; the report keys
-stay stable: ``run``, ``slow_ops``, ``steps``, ``numerics``, ``compile``.
+stay stable: ``run``, ``slow_ops``, ``steps``, ``numerics``, ``compile``, ``memory``.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ SECTIONS: dict[str, str] = {
     "distributed": "tpudiag.distributed.report_section:build_section:render_section",
     "pulse": "tpudiag.longrun.report_section:build_pulse:render_pulse",
     "windows": "tpudiag.longrun.report_section:build_windows:render_windows",
+    "memory": "tpudiag.memory_report:build_section:render_section",
 }
 
 
@@ -103,6 +104,7 @@ def build(store: Store, run: dict[str, Any], top: int = 20) -> dict[str, Any]:
         "numerics": None,
         "compile": None,
         "hlo_ops": None,
+        "memory": None,
     }
     for key, spec in SECTIONS.items():
         builder, _ = _load_section(spec)

@@ -57,7 +57,21 @@ def pending_jobs(trace_dir: Path) -> list[Path]:
         return []
 
 
-def run_job(run_id: str, spool: Any, job_path: Path) -> int:
+# A collector's extra analysis of each window (the memory collector's allocator view): "module:function" called as
+# ``fn(ctx, path, trace, tables, part)``, named by the trace collector so this core module imports no collector.
+WINDOW_HOOK = "tpudiag.collectors.trace:analyse_window_extras"
+
+
+def _hook(spec: str | None) -> Any:
+    if not spec:
+        return None
+    import importlib
+
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def run_job(run_id: str, spool: Any, job_path: Path, hook: str | None = None) -> int:
     """Analyse one window job into ``spool``; its event count.  The job file is removed once done."""
     from tpudiag.model import TraceWindow
     from tpudiag.traces import kineto, kineto_tables
@@ -85,6 +99,13 @@ def run_job(run_id: str, spool: Any, job_path: Path) -> int:
             )
             spool.write_table("trace_events", tables.events, part=part)
             spool.write_table("steps", kineto_tables.steps_table(tables.steps, run_id), part=part)
+            extra = _hook(hook)
+            if extra is not None:
+                from tpudiag.plugins import CaptureContext
+
+                options = {"profile_memory": bool(job.get("profile_memory"))}
+                ctx = CaptureContext(run_id=run_id, run_dir=Path(job["run_dir"]), spool=spool, options=options)
+                extra(ctx, path, trace, tables, part)
     row = TraceWindow(
         run_id=run_id,
         window_id=wid,
@@ -108,11 +129,11 @@ def run_job(run_id: str, spool: Any, job_path: Path) -> int:
     return events
 
 
-def run_pending(run_id: str, spool: Any, trace_dir: Path) -> int:
+def run_pending(run_id: str, spool: Any, trace_dir: Path, hook: str | None = WINDOW_HOOK) -> int:
     """Every job still waiting (the capture's deferred finish); how many were run."""
     jobs = pending_jobs(trace_dir)
     for job in jobs:
-        run_job(run_id, spool, job)
+        run_job(run_id, spool, job, hook)
     tidy(trace_dir)
     return len(jobs)
 
@@ -254,7 +275,7 @@ def main(argv: list[str]) -> int:
         jobs = pending_jobs(trace_dir)
         for job in jobs:
             try:
-                run_job(run_id, spool, job)
+                run_job(run_id, spool, job, WINDOW_HOOK)
             except Exception as err:  # the job stays for the deferred finish, which says why if it fails again
                 sys.stderr.write(f"{time.strftime('%H:%M:%S')} {job.name}: {err!r}\n")
                 return 1
