@@ -151,6 +151,8 @@ def _fmt(v: Any) -> str:
 
 def _describe(e: dict[str, Any]) -> str:
     source = e.get("source_short") or e["source"] or "source unknown"
+    if e.get("rank") is not None:  # a distributed run: every rank's divergent ops (distributed.rank_numerics)
+        return f"rank {e['rank']}: " + _describe({**e, "rank": None})
     if e.get("region") == "compiled_node":
         return (
             f"node {e.get('node')} ({e['op']}) of compiled graph {e.get('graph')} in {e['module'] or '(no module)'} "

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from tpudiag.plugins import CaptureContext
+from tpudiag import console
 
 PROGRESS_INTERVAL_TTY_S = 0.5
 PROGRESS_INTERVAL_PIPE_S = 30.0
@@ -304,7 +305,7 @@ class NumericsCollector:
         elif f.checked == 0:
             self._ctx.note(f"numerics: WARNING: {f.seen} ops seen but none checked (see the report's coverage)")
         sys.stderr.write(
-            f"tpudiag: numerics: {f.seen} ops seen, {f.checked} checked, {f.originators} originator(s)"
+            f"{console.prefix()}: numerics: {f.seen} ops seen, {f.checked} checked, {f.originators} originator(s)"
             + (f", first divergence {f.first}" if f.first else "")
             + "\n"
         )
@@ -484,7 +485,7 @@ class NumericsCollector:
         if self._recorder.findings.originators == 1:
             self._clear_progress()
             sys.stderr.write(
-                f"tpudiag: numerics: first divergence: {record.op} seq {record.seq} "
+                f"{console.prefix()}: numerics: first divergence: {record.op} seq {record.seq} "
                 f"({record.module or 'no module'}, {record.phase}, {record.source_loc or '?'}): {diff.verdict}\n"
             )
             sys.stderr.flush()

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpudiag import environment, runner
+from tpudiag import console, environment, runner
 from tpudiag.clock import SystemClock
 from tpudiag.distributed.identity import RankIdentity
 from tpudiag.distributed.probe import DistributedProbe
@@ -130,6 +130,7 @@ class WorkerSession:
         # Until init_process_group says otherwise, a spawned worker's index stands in (TorchTPU's worker_rank).
         provisional = self.identity.rank if self.identity.rank is not None else self.identity.local_rank
         options["rank"] = provisional or 0
+        console.set_rank(provisional or 0)  # tpudiag's stderr lines from this process say which rank wrote them
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ctx = CaptureContext(
             run_id=self.config.run_id, run_dir=self.workdir, spool=self.spool, options=options, clock=SystemClock()
@@ -162,6 +163,7 @@ class WorkerSession:
     def _rank_known(self, identity: RankIdentity) -> None:
         if identity.rank is not None:
             self.spool.set_rank(identity.rank)
+            console.set_rank(identity.rank)
             if self.ctx is not None:
                 self.ctx.options["rank"] = identity.rank
 

@@ -30,6 +30,7 @@ from tpudiag.collectors.numerics.sampling import EVERY_STEPS, Budget, Sampler, S
 from tpudiag.model import OpDiff, OpRecord
 from tpudiag.oracle import graph as graph_oracle
 from tpudiag.oracle.outputs import OutputCheck, check_output, floor_check, within_floor
+from tpudiag import console
 
 SIZE_CAP = 1 << 26  # input elements of one graph call; larger calls are skipped as "size_cap"
 MAX_LOCALISED = 4  # failing graphs whose inputs are kept for localisation
@@ -362,7 +363,7 @@ class CompiledChecker:
             if f.first is None:
                 f.first = f"{record.op} ({g.info.backend}) seq {seq}"
             sys.stderr.write(
-                f"tpudiag: numerics: compiled graph {g.info.compile_id} ({g.info.backend}, "
+                f"{console.prefix()}: numerics: compiled graph {g.info.compile_id} ({g.info.backend}, "
                 f"{_short(g.info.frame) or '?'}) diverges from its float64 replay; localising at the end\n"
             )
             sys.stderr.flush()
