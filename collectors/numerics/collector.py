@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Any
 
-from tpudiag.plugins import CaptureContext
 from tpudiag import console
+from tpudiag.plugins import CaptureContext
 
 PROGRESS_INTERVAL_TTY_S = 0.5
 PROGRESS_INTERVAL_PIPE_S = 30.0

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tpudiag import console
 from tpudiag.analysis.numerics_metrics import dtype_name
 from tpudiag.analysis.verdict import Verdict, is_divergent
 from tpudiag.collectors.numerics.compiled.intercept import GraphInfo, Interceptor
@@ -30,7 +31,6 @@ from tpudiag.collectors.numerics.sampling import EVERY_STEPS, Budget, Sampler, S
 from tpudiag.model import OpDiff, OpRecord
 from tpudiag.oracle import graph as graph_oracle
 from tpudiag.oracle.outputs import OutputCheck, check_output, floor_check, within_floor
-from tpudiag import console
 
 SIZE_CAP = 1 << 26  # input elements of one graph call; larger calls are skipped as "size_cap"
 MAX_LOCALISED = 4  # failing graphs whose inputs are kept for localisation
