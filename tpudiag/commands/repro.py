@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tpudiag.distributed import rank_repro
 from tpudiag.errors import TpudiagError, UnknownRunError, UsageError
 from tpudiag.store import Store, numerics_queries, queries, resolve_db_path
 
@@ -80,16 +81,21 @@ def register(sub: Any) -> None:
     p.add_argument("run", help="run id or unique name")
     p.add_argument("seq", type=int, help="the op's sequence number (from tpudiag report)")
     p.add_argument("--out", "-o", help="output directory (default: ./tpudiag-repro-<run>-<seq>)")
+    p.add_argument("--rank", type=int, help="distributed runs: the rank whose op it is (as the report lists it)")
     p.set_defaults(func=cmd_repro)
 
 
 def cmd_repro(args: Any, rest: list[str]) -> int:
     store = Store(resolve_db_path(args.db))
     run = queries.resolve_run(store, args.run)
-    detail = numerics_queries.op_detail(store, run["id"], args.seq)
+    if args.rank is not None:  # another rank's op: its record and saved inputs are the rank's (rank_numerics)
+        detail, saved = rank_repro.rank_op(store, run["id"], args.rank, args.seq)
+    else:
+        detail = numerics_queries.op_detail(store, run["id"], args.seq)
+        artifacts = Path(run.get("artifacts_dir") or store.run_dir(run["id"]))
+        saved = artifacts / "numerics" / "repro" / f"op-{args.seq}.pt"
     if detail is None:
         raise UnknownRunError(f"run {run['id']} has no recorded op with seq {args.seq} (see tpudiag report)")
-    saved = Path(run.get("artifacts_dir") or store.run_dir(run["id"])) / "numerics" / "repro" / f"op-{args.seq}.pt"
     if not saved.is_file():
         raise UsageError(
             f"op {args.seq} ({detail['op']}) of run {run['id']} has no saved inputs: inputs are kept only for "
