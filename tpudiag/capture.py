@@ -113,11 +113,9 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
         active = start_collectors(collectors, ctx)
         flusher = _Flusher(store, run, spool, active, options.flush_interval_s)
         flusher.start()
-    from tpudiag.distributed import spawn  # torch.multiprocessing.spawn workers become ranks of this run
+    from tpudiag.distributed import reach  # spawned and elastic-agent workers become ranks of this run
 
-    spawned = spawn.install(
-        run_id, str(run_dir), options.collect, options.collector_options, options.flush_interval_s, ctx.note
-    )
+    spawned = reach.install(run_id, run_dir, options.collect, options.collector_options, options.flush_interval_s, ctx)
     t0 = clock.monotonic()
     outcome = runner.run(target)
     duration = clock.monotonic() - t0
@@ -133,6 +131,8 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
             c.stop()
         except Exception as err:
             ctx.note(f"collector {c.name} failed while stopping: {err}")
+    if spawned is not None:
+        spawned.settle_notes(ctx)
 
     kind, device_name = environment.device()
     errors_line = errors.closing_line()
@@ -157,7 +157,7 @@ def capture(target: runner.Target, options: CaptureOptions, clock: Clock | None 
     else:
         store.store_finished(final, spool.directory)
     if spawned is not None:
-        final = spawn.merge_ranks(store, final, run_dir)
+        final = spawned.merge(store, final)
     with contextlib.suppress(OSError):
         deferred_store.remove_empty_tree(spool.directory)
     return CaptureResult(run_id, outcome.exit_code, outcome.status, active, ctx, True, errors_line)

@@ -71,7 +71,7 @@ def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureR
         collectors = load_collectors(options.collect)  # unknown names fail here, before the job starts
         with contextlib.suppress(TpudiagError):
             store.recover_stale_runs()
-    script = next((a for a in target.args if not a.startswith("-")), None)
+    script = getattr(multinode.parse_launcher_args(target.args), "training_script", None)  # not a flag's value
     name = options.name or (Path(script).stem if script else "torchrun")
     start = RunStart(name, target.display, target.args, Path(script) if script else Path.cwd())
     job = multinode.job_id(target.args, options.run_id)

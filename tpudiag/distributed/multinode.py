@@ -3,6 +3,8 @@
 The job's run id is the same on every node without any talking between them:
 
 - ``tpudiag capture --run-id ID ...`` when given (any launcher);
+- else ``TORCH_TPU_XPROF_SESSION_ID`` when set: TorchTPU's launch wrappers (``singlehost_wrapper``,
+  ``multihost_wrapper``, then torchrun) export it, fresh per run (ns since epoch), to every worker on every host;
 - else torchrun's ``--rdzv-id`` when the job spans nodes (``--nnodes`` other than 1): every node of a torchrun job
   must pass the same one.  A single-node job keeps a fresh run id (rendezvous ids are often reused there).
 
@@ -36,6 +38,7 @@ from tpudiag.store.database import decode_run
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 MAX_REUSE = 100
+SESSION_ENV = "TORCH_TPU_XPROF_SESSION_ID"  # set by TorchTPU's singlehost_wrapper / multihost_wrapper
 _WORSE = {"ok": 0, "interrupted": 1, "failed": 2}
 
 
@@ -46,10 +49,8 @@ def clean_id(value: str) -> str:
     return cleaned
 
 
-def job_id(launcher_args: Sequence[str], explicit: str | None) -> str | None:
-    """The id every node of the job derives the same way, or None (a fresh run id)."""
-    if explicit:
-        return clean_id(explicit)
+def parse_launcher_args(launcher_args: Sequence[str]) -> Any:
+    """torchrun's arguments parsed by torchrun's own parser (an ``argparse.Namespace``), or None."""
     loaded = "torch.distributed.run" in sys.modules
     try:
         from torch.distributed.run import get_args_parser
@@ -60,6 +61,19 @@ def job_id(launcher_args: Sequence[str], explicit: str | None) -> str | None:
     finally:
         if not loaded:  # runpy runs the launcher as __main__ next, and warns on stderr if it is already imported
             sys.modules.pop("torch.distributed.run", None)
+    return args
+
+
+def job_id(launcher_args: Sequence[str], explicit: str | None) -> str | None:
+    """The id every node of the job derives the same way, or None (a fresh run id)."""
+    if explicit:
+        return clean_id(explicit)
+    session = os.environ.get(SESSION_ENV, "").strip()
+    if session:  # TorchTPU's launch wrappers: one id for every worker of the run, on every host
+        return clean_id(session)
+    args = parse_launcher_args(launcher_args)
+    if args is None:
+        return None
     nnodes = str(getattr(args, "nnodes", "1"))
     rdzv = str(getattr(args, "rdzv_id", "none") or "none")
     if rdzv == "none" or nnodes in ("1", "1:1"):

@@ -19,10 +19,11 @@ from typing import Any
 
 from tpudiag import numerics_report
 from tpudiag.display import short_source
+from tpudiag.distributed.children import MISSED_MARK
 from tpudiag.store import Store
 from tpudiag.store import rank_numerics_queries as q
 
-UNCAPTURED_MARK = "tpudiag did not capture"  # the note ``tpudiag.distributed.reach`` writes about missed workers
+UNCAPTURED_MARK = MISSED_MARK  # in the run's note about the Python processes tpudiag did not reach
 
 
 def _ranks_list(ranks: list[int]) -> str:
