@@ -85,7 +85,8 @@ class ChildWatch:
         if self.wrapper is not None and executable is None and "TORCHELASTIC_RUN_ID" in environ:
             self.reached += 1
             return [str(self.wrapper), *argv[1:]]
-        self.missed.append("subprocess: " + " ".join(argv[:3]) + (" ..." if len(argv) > 3 else ""))
+        shown = [Path(argv[0]).name, *argv[1:3]]
+        self.missed.append("subprocess: " + " ".join(shown) + (" ..." if len(argv) > 3 else ""))
         return args
 
     def _wrap_popen(self) -> None:
