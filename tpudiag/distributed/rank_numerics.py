@@ -56,7 +56,8 @@ def rank_summary(
         f = firsts[members[0]]
         parts.append(f"{who}: {op} in {module or '(no module)'} ({phase}), seq {f['seq']}")
     if agreeing:
-        parts.append(f"{_ranks_list(agreeing)} agree (no divergent op)" if diverging else "every rank agrees")
+        verb = "agrees" if len(agreeing) == 1 else "agree"
+        parts.append(f"{_ranks_list(agreeing)} {verb} (no divergent op)" if diverging else "every rank agrees")
     per_rank = [
         {
             "rank": r,
