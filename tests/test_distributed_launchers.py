@@ -66,8 +66,8 @@ MISSED = r"""
 import multiprocessing as mp, subprocess, sys, torch
 
 def work(n):
-    x = torch.randn(n, n)
-    print("worker", float((x @ x).sum() * 0), flush=True)
+    x = torch.ones(n, n)
+    print("worker", float((x @ x).sum()), flush=True)
 
 if __name__ == "__main__":
     loader = torch.utils.data.DataLoader(torch.arange(4.0), batch_size=2, num_workers=1)
@@ -240,3 +240,22 @@ def test_torchtpu_session_id_is_the_run_id(tmp_path: Path) -> None:
     report = _report(db)
     assert report["run"]["id"] == session and report["run"]["name"] == "w"
     assert [r["rank"] for r in report["distributed"]["ranks"]] == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchrun_started_by_the_script_is_reached(tmp_path: Path) -> None:
+    """An agent in a child process reads ``PYTHON_EXEC``: its workers are ranks, the launcher is no missed process."""
+    _write(tmp_path, "worker.py", WORKER)
+    start = (
+        "import subprocess, sys\n"
+        "subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2',"
+        " 'worker.py'], check=True)\n"
+    )
+    _write(tmp_path, "outer.py", start)
+    db = tmp_path / "store.duckdb"
+    captured = run_tpudiag("capture", "--db", str(db), "--collect", "trace", "outer.py", cwd=tmp_path, env=ENV)
+    assert captured.returncode == 0, captured.stderr
+    assert sorted(captured.stdout.splitlines()) == ["rank 0 sum 9.0", "rank 1 sum 9.0"]
+    report = _assert_two_rank_run(db)
+    assert not any("did not capture" in n for n in report["run"]["notes"])

@@ -49,6 +49,8 @@ def test_elastic_workers_are_rerouted_and_other_python_commands_counted(tmp_path
     assert watch._command(["/bin/echo", "hi"], None, {}) == ["/bin/echo", "hi"]  # not Python: left alone
     assert watch._command([sys.executable, "-m", "tpudiag.deferred_store"], None, {}) is not None
     assert watch.missed == []  # tpudiag's own process
+    watch._command([sys.executable, "-m", "torch.distributed.run", "t.py"], None, {})  # its workers: PYTHON_EXEC
+    assert watch.missed == []
     watch._command([sys.executable, "work.py", "a", "b"], None, {})
     assert watch.missed == [f"subprocess: {Path(sys.executable).name} work.py a ..."]
     note = watch.note()

@@ -38,6 +38,8 @@ _SKIP_TARGETS = (
 )
 _SKIP_ARGS = ("compile_worker", "torch/_inductor")  # Inductor's compile workers
 MAX_LISTED = 3
+LAUNCHERS = ("torchrun", "accelerate", "accelerate-launch")
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
 
 
 def is_python(program: str | None) -> bool:
@@ -80,6 +82,9 @@ class ChildWatch:
         if not argv or not is_python(program) or any(s in a for a in argv for s in _SKIP_ARGS):
             return args
         if any(a.startswith("tpudiag") for a in argv[1:4]):  # python -m tpudiag...: tpudiag's own process
+            return args
+        if Path(argv[0]).name in LAUNCHERS or any(a in LAUNCHER_MODULES for a in argv[1:4]):
+            # A launcher the script starts: its elastic agent reads PYTHON_EXEC, so its workers are ranks.
             return args
         environ = env if env is not None else os.environ
         if self.wrapper is not None and executable is None and "TORCHELASTIC_RUN_ID" in environ:
