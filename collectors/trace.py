@@ -336,12 +336,12 @@ def _analyse_chunk(
     part: str | None = None,
 ) -> tuple[int, int]:
     """Analyse one Chrome trace chunk into the spool (trace_events, steps); how many events and steps it held."""
-    from tpudiag.traces import kineto
+    from tpudiag.traces import kineto, kineto_tables
 
     trace = kineto.load(path)
     if len(trace) == 0:
         return 0, 0
-    tables = kineto.to_tables(
+    tables = kineto_tables.to_tables(
         trace,
         run_id=ctx.run_id,
         first_event_id=first_event_id,
@@ -351,5 +351,5 @@ def _analyse_chunk(
         root_inputs=roots,
     )
     ctx.spool.write_table("trace_events", tables.events, part=part)
-    ctx.spool.write_table("steps", kineto.steps_table(tables.steps, ctx.run_id), part=part)
+    ctx.spool.write_table("steps", kineto_tables.steps_table(tables.steps, ctx.run_id), part=part)
     return len(trace), len(tables.steps)
