@@ -5,7 +5,7 @@ While the script runs, two of Python's process starters are wrapped (and put bac
 - ``subprocess.Popen._execute_child`` (every ``subprocess`` call, and torchelastic's worker handler): a Python
   command whose environment carries ``TORCHELASTIC_RUN_ID`` is a worker of torchrun's elastic agent, whatever
   launcher runs the agent in this process (``accelerate launch``, a custom ``elastic_launch``...): its interpreter
-  is swapped for the run's worker wrapper (``tpudiag.distributed.launch.write_wrapper``), so the worker becomes a
+  is swapped for the run's worker wrapper (``tpudiag.distributed.wrapper.write_wrapper``), so the worker becomes a
   rank of this run.  Any other Python command is a process tpudiag does not reach;
 - ``multiprocessing``'s ``BaseProcess.start``: a process running a user's function (``Process``, ``Pool``,
   ``ProcessPoolExecutor``) is one tpudiag does not reach.

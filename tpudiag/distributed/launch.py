@@ -16,16 +16,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shlex
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from tpudiag import environment, runner
 from tpudiag.capture import CaptureOptions, CaptureResult
 from tpudiag.clock import SystemClock
 from tpudiag.distributed import merge, multinode
-from tpudiag.distributed.session import CONFIG_ENV, ORIGINAL_PYTHON_EXEC_ENV, WorkerConfig
+from tpudiag.distributed.session import WorkerConfig
+from tpudiag.distributed.wrapper import worker_environment, write_wrapper
 from tpudiag.errors import TpudiagError
 from tpudiag.plugins import CaptureContext, load_collectors
 from tpudiag.run_setup import RunStart, begin_run, new_run
@@ -34,33 +33,6 @@ from tpudiag.store import Store
 from tpudiag.store import distributed_queries as q
 
 UNREACHED_FLAGS = ("--run-path", "--run_path", "--no-python", "--no_python")
-
-
-def write_wrapper(run_dir: Path, python: str, node: str = "") -> Path:
-    """The interpreter torchrun starts workers with: tpudiag's worker module on the same (or the user's) Python
-    (one per node of a multi-node job: their Pythons may differ)."""
-    path = run_dir / "bin" / ("python-worker" + (f"-{node}" if node else ""))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -u -m tpudiag.distributed.worker "$@"\n')
-    path.chmod(0o755)
-    return path
-
-
-@contextlib.contextmanager
-def worker_environment(config: WorkerConfig, wrapper: Path) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in (CONFIG_ENV, ORIGINAL_PYTHON_EXEC_ENV, "PYTHON_EXEC")}
-    if saved["PYTHON_EXEC"]:
-        os.environ[ORIGINAL_PYTHON_EXEC_ENV] = saved["PYTHON_EXEC"] or ""
-    os.environ[CONFIG_ENV] = config.to_env()
-    os.environ["PYTHON_EXEC"] = str(wrapper)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureResult:

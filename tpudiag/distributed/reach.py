@@ -46,12 +46,12 @@ class WorkerReach:
     def install(self, ctx: CaptureContext) -> None:
         self.spawn = spawn.install(self.run_id, str(self.run_dir), self.collect, self.options, self.flush_s, ctx.note)
         try:
-            from tpudiag.distributed import launch
+            from tpudiag.distributed import wrapper as worker_wrapper
             from tpudiag.distributed.session import WorkerConfig
 
             config = WorkerConfig(self.run_id, str(self.run_dir), self.collect, dict(self.options), self.flush_s)
-            wrapper = launch.write_wrapper(self.run_dir, os.environ.get("PYTHON_EXEC") or sys.executable)
-            self._env.enter_context(launch.worker_environment(config, wrapper))
+            wrapper = worker_wrapper.write_wrapper(self.run_dir, os.environ.get("PYTHON_EXEC") or sys.executable)
+            self._env.enter_context(worker_wrapper.worker_environment(config, wrapper))
         except Exception as err:  # workers will not be ranks; the script runs as before
             ctx.note(f"elastic-agent workers will not be captured ({err})")
             wrapper = None
