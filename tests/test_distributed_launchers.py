@@ -134,6 +134,25 @@ def test_accelerate_launch_console_script_records_every_process(tmp_path: Path) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_accelerate_launch_single_process_is_captured(tmp_path: Path) -> None:
+    """``--cpu`` makes accelerate start one plain Python child (no elastic agent): that child is the run's rank."""
+    _write(tmp_path, "train.py", TRAIN)
+    db = tmp_path / "store.duckdb"
+    flags = ["--cpu", "--num_processes", "1", *ACCELERATE_FLAGS[3:-2]]  # --num_machines 1 ... --dynamo_backend no
+    captured = run_tpudiag("capture", "--db", str(db), "--collect", "trace,numerics", "accelerate", "launch", *flags,
+                           "train.py", cwd=tmp_path, env=ENV)  # fmt: skip
+    assert captured.returncode == 0, captured.stderr
+    assert [ln for ln in captured.stdout.splitlines() if ln.startswith("rank ")] == [
+        "rank 0 of 1 step 0 loss -1.542439", "rank 0 of 1 step 1 loss -12.949459", "rank 0 of 1 step 2 loss -19.074356"
+    ]  # fmt: skip
+    report = _report(db)
+    assert [(r["rank"], r["status"], r["steps"]) for r in report["distributed"]["ranks"]] == [(0, "ok", 3)]
+    assert report["numerics"]["coverage"]["ops_checked"] > 0
+    assert not any("did not capture" in n or "any torch ops" in n for n in report["run"]["notes"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_accelerate_launch_module_records_every_process(tmp_path: Path) -> None:
     _write(tmp_path, "train.py", TRAIN)
     db = tmp_path / "store.duckdb"

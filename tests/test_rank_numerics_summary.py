@@ -70,3 +70,17 @@ def test_wrappers_are_put_back() -> None:
     watch.remove()
     assert (subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start) == before  # type: ignore[attr-defined]
     assert len(watch.missed) == 1
+
+
+def test_accelerates_single_child_is_a_launched_worker(monkeypatch: Any) -> None:
+    import types
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    child_env = {"PATH": "/bin", "ACCELERATE_USE_CPU": "True"}
+    monkeypatch.delitem(sys.modules, "accelerate.commands.launch", raising=False)
+    assert not children.is_launched_worker(child_env)  # no accelerate launcher in this process
+    monkeypatch.setitem(sys.modules, "accelerate.commands.launch", types.ModuleType("accelerate.commands.launch"))
+    assert children.is_launched_worker(child_env)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")  # the parent's own setting, passed on: not the launcher's
+    assert not children.is_launched_worker(child_env)
+    assert children.is_launched_worker({"TORCHELASTIC_RUN_ID": "r"})

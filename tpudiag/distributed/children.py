@@ -6,7 +6,8 @@ While the script runs, two of Python's process starters are wrapped (and put bac
   command whose environment carries ``TORCHELASTIC_RUN_ID`` is a worker of torchrun's elastic agent, whatever
   launcher runs the agent in this process (``accelerate launch``, a custom ``elastic_launch``...): its interpreter
   is swapped for the run's worker wrapper (``tpudiag.distributed.wrapper.write_wrapper``), so the worker becomes a
-  rank of this run.  Any other Python command is a process tpudiag does not reach;
+  rank of this run.  So is the single process ``accelerate launch`` starts without the elastic agent (``--cpu``,
+  one process).  Any other Python command is a process tpudiag does not reach;
 - ``multiprocessing``'s ``BaseProcess.start``: a process running a user's function (``Process``, ``Pool``,
   ``ProcessPoolExecutor``) is one tpudiag does not reach.
 
@@ -59,6 +60,17 @@ def is_python(program: str | None) -> bool:
     return head.startswith(b"#!") and b"python" in head.split(b"\n", 1)[0]
 
 
+def is_launched_worker(env: Any) -> bool:
+    """A worker a launcher in this process starts: torchelastic's (``TORCHELASTIC_RUN_ID``, any launcher on the
+    elastic agent), or the one process of ``accelerate launch``'s simple launcher (accelerate's launch command is
+    loaded here and hands the child ``ACCELERATE_*`` settings this process does not have)."""
+    if "TORCHELASTIC_RUN_ID" in env:
+        return True
+    if "accelerate.commands.launch" not in sys.modules:
+        return False
+    return any(str(k).startswith("ACCELERATE_") and k not in os.environ for k in env)
+
+
 def _module_of(fn: Any) -> str:
     while isinstance(fn, functools.partial):
         fn = fn.func
@@ -87,7 +99,7 @@ class ChildWatch:
             # A launcher the script starts: its elastic agent reads PYTHON_EXEC, so its workers are ranks.
             return args
         environ = env if env is not None else os.environ
-        if self.wrapper is not None and executable is None and "TORCHELASTIC_RUN_ID" in environ:
+        if self.wrapper is not None and executable is None and is_launched_worker(environ):
             self.reached += 1
             return [str(self.wrapper), *argv[1:]]
         shown = [Path(argv[0]).name, *argv[1:3]]
