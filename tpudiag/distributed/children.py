@@ -37,7 +37,7 @@ _SKIP_TARGETS = (
     "multiprocessing.resource",
     "tpudiag",
 )
-_SKIP_ARGS = ("compile_worker", "torch/_inductor")  # Inductor's compile workers
+_SKIP_ARGS = ("compile_worker", "torch/_inductor", "torch._inductor")  # Inductor's compile and autotune workers
 MAX_LISTED = 3
 LAUNCHERS = ("torchrun", "accelerate", "accelerate-launch")
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
