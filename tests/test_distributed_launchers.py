@@ -10,6 +10,7 @@ processes a MULTI_CPU job), ``elastic_launch``, ``multiprocessing`` and ``subpro
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -218,6 +219,23 @@ def test_a_script_without_workers_has_no_such_note(tmp_path: Path) -> None:
     report = _report(db)
     assert not any("did not capture" in n for n in report["run"]["notes"])
     assert report["distributed"] is None
+
+
+@pytest.mark.slow
+def test_torchs_own_processes_are_not_missed(tmp_path: Path) -> None:
+    """Inductor starts Python processes of its own (compile workers, a load test of each built library)."""
+    script = (
+        "import torch\n"
+        "f = torch.compile(lambda x: torch.tanh(x) * 2 + 1, backend='inductor')\n"
+        "print(f(torch.ones(8)).sum().item())\n"
+    )
+    _write(tmp_path, "compiled.py", script)
+    db = tmp_path / "store.duckdb"
+    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # a cold cache: every process starts
+    captured = run_tpudiag("capture", "--db", str(db), "compiled.py", cwd=tmp_path, env=env)
+    assert captured.returncode == 0, captured.stderr
+    assert float(captured.stdout) == pytest.approx(8 * (2 * math.tanh(1.0) + 1), rel=1e-6)
+    assert not any("did not capture" in n for n in _report(db)["run"]["notes"])
 
 
 def test_console_scripts_are_found_on_path(tmp_path: Path) -> None:

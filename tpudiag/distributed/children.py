@@ -11,7 +11,9 @@ While the script runs, two of Python's process starters are wrapped (and put bac
 - ``multiprocessing``'s ``BaseProcess.start``: a process running a user's function (``Process``, ``Pool``,
   ``ProcessPoolExecutor``) is one tpudiag does not reach.
 
-Not counted: DataLoader workers, Inductor's compile workers, multiprocessing's own helper processes, workers of
+Not counted: processes torch's own code starts (DataLoader workers, Inductor's compile, load-test and autotune
+processes: the first caller outside the standard library is in the torch package), multiprocessing's own helper
+processes, workers of
 ``torch.multiprocessing.spawn`` (``tpudiag.distributed.spawn`` makes them ranks) and tpudiag's own processes.  The
 run's notes then say how many Python processes were missed and how to capture them.  Every wrapper is pass-through:
 the process starts exactly as before whatever tpudiag's own code does.
@@ -71,6 +73,23 @@ def is_launched_worker(env: Any) -> bool:
     return any(str(k).startswith("ACCELERATE_") and k not in os.environ for k in env)
 
 
+def started_by_torch() -> bool:
+    """The process is being started by torch's own code (Inductor's compile, load-test and autotune processes, a
+    DataLoader...): the first caller outside the standard library and this module is a file of the torch package."""
+    torch = sys.modules.get("torch")
+    root = os.path.dirname(getattr(torch, "__file__", None) or "")
+    if not root:
+        return False
+    stdlib = os.path.dirname(os.__file__) + os.sep
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name != __file__ and not name.startswith(stdlib):
+            return name.startswith(root + os.sep)
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 def _module_of(fn: Any) -> str:
     while isinstance(fn, functools.partial):
         fn = fn.func
@@ -102,7 +121,9 @@ class ChildWatch:
         if self.wrapper is not None and executable is None and is_launched_worker(environ):
             self.reached += 1
             return [str(self.wrapper), *argv[1:]]
-        shown = [Path(argv[0]).name, *argv[1:3]]
+        if started_by_torch():
+            return args
+        shown = [Path(argv[0]).name, *(a.strip().split("\n")[0][:60] for a in argv[1:3])]
         self.missed.append("subprocess: " + " ".join(shown) + (" ..." if len(argv) > 3 else ""))
         return args
 
@@ -128,7 +149,7 @@ class ChildWatch:
         if target is None:
             return
         module = _module_of(target)
-        if module.startswith(_SKIP_TARGETS):
+        if module.startswith(_SKIP_TARGETS) or started_by_torch():
             return
         if module.startswith("torch.multiprocessing"):  # torch.multiprocessing.spawn: ranks (or noted, on fork)
             return
