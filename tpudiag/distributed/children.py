@@ -84,8 +84,11 @@ def started_by_torch() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name != __file__ and not name.startswith(stdlib):
-            return name.startswith(root + os.sep)
+        if name.startswith(root + os.sep):
+            return True
+        library = name.startswith(stdlib) and "-packages" not in name  # site-/dist-packages may sit under it
+        if name != __file__ and not library:
+            return False
         frame = frame.f_back  # type: ignore[assignment]
     return False
 
