@@ -20,7 +20,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-import tpudiag
 from tpudiag.clock import SystemClock
 from tpudiag.errors import ImportFormatError, TpudiagError
 from tpudiag.model import CompileEvent, Run
@@ -29,6 +28,7 @@ from tpudiag.run_setup import new_run_id
 from tpudiag.spool import Spool
 from tpudiag.store import Store, bulk_insert
 from tpudiag.traces import detect
+from tpudiag.version import __version__
 
 _RANK_SUFFIX = re.compile(r"_(\d+)$")
 Status = Callable[[str], None]
@@ -85,7 +85,7 @@ def import_paths(
             cwd=str(Path.cwd()),
             duration_s=round(time.time() - started, 6),
             host=socket.gethostname(),
-            tpudiag_version=tpudiag.__version__,
+            tpudiag_version=__version__,
             device_kind=result.device_kind,
             device_name=result.device_name,
             collectors=["import"],

@@ -69,7 +69,7 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     from tpudiag.comparison.compare import compare
     from tpudiag.comparison.snapshot import Snapshot
     from tpudiag.comparison.source import looks_like_file, snapshot_of
-    from tpudiag.store import Store, resolve_db_path
+    from tpudiag.store_access import open_store
 
     config = rules.load_config(Path(args.rules) if args.rules else None)
     if args.warmup is not None:
@@ -85,7 +85,7 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
             raise UsageError("--update-baseline needs a file: --baseline FILE.json or --update-baseline FILE.json")
         update_to = Path(target)
     with usage_errors():
-        store = Store(resolve_db_path(args.db))
+        store = open_store(args.db)
         run = snapshot_of(store, args.run)
         base: Snapshot | None = None
         if args.baseline and not (

@@ -14,7 +14,8 @@ from typing import Any
 
 from tpudiag.distributed import rank_repro
 from tpudiag.errors import TpudiagError, UnknownRunError, UsageError
-from tpudiag.store import Store, numerics_queries, queries, resolve_db_path
+from tpudiag.store import numerics_queries, queries
+from tpudiag.store_access import open_store
 
 SCRIPT = '''"""Re-run {op} (seq {seq} of run {run_id}: {module}, {phase}, {source}) and compare with float64.
 
@@ -86,7 +87,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_repro(args: Any, rest: list[str]) -> int:
-    store = Store(resolve_db_path(args.db))
+    store = open_store(args.db)
     run = queries.resolve_run(store, args.run)
     if args.rank is not None:  # another rank's op: its record and saved inputs are the rank's (rank_numerics)
         detail, saved = rank_repro.rank_op(store, run["id"], args.rank, args.seq)

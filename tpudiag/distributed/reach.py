@@ -27,6 +27,7 @@ from typing import Any
 from tpudiag.distributed import children, spawn
 from tpudiag.model import Run
 from tpudiag.plugins import CaptureContext
+from tpudiag.session import Finished
 from tpudiag.store import Store
 
 NO_OPS_NOTE = "numerics: no aten ops were seen"  # the numerics collector's note when its own process ran none
@@ -42,8 +43,10 @@ class WorkerReach:
         self.spawn: spawn.SpawnPatch | None = None
         self.watch: children.ChildWatch | None = None
         self._env = contextlib.ExitStack()
+        self._ctx: CaptureContext | None = None
 
     def install(self, ctx: CaptureContext) -> None:
+        self._ctx = ctx
         self.spawn = spawn.install(self.run_id, str(self.run_dir), self.collect, self.options, self.flush_s, ctx.note)
         try:
             from tpudiag.distributed import wrapper as worker_wrapper
@@ -59,10 +62,14 @@ class WorkerReach:
         self.watch.install()
 
     def remove(self) -> None:
+        """After the script: the wrappers and the environment put back; the missed processes noted."""
         if self.spawn is not None:
             self.spawn.remove()
         if self.watch is not None:
             self.watch.remove()
+            missed = self.watch.note()
+            if missed and self._ctx is not None:
+                self._ctx.note(missed)
         with contextlib.suppress(Exception):
             self._env.close()
 
@@ -76,14 +83,16 @@ class WorkerReach:
         """Some worker became a rank: the run is merged here, after the script."""
         return (self.spawn is not None and self.spawn.used) or (self.run_dir / "workers").is_dir()
 
-    def settle_notes(self, ctx: CaptureContext) -> None:
-        """After the collectors stopped: say which Python processes were missed; drop the "no aten ops" question
-        when the script's torch work ran in other processes (ranks, or processes tpudiag did not reach)."""
-        missed = self.watch.note() if self.watch is not None else None
-        if missed:
-            ctx.note(missed)
-        if missed or self.elastic:
-            ctx.notes[:] = [n for n in ctx.notes if not n.startswith(NO_OPS_NOTE)]
+    def settle(self, finished: Finished) -> Finished:
+        """After the collectors stopped: drop the numerics collector's "no aten ops" question from the run's notes
+        (and the ones printed) when the script's torch work ran in other processes (ranks, or missed ones)."""
+        missed = self.watch is not None and bool(self.watch.missed)
+        if not (missed or self.elastic):
+            return finished
+        if self._ctx is not None:
+            self._ctx.notes[:] = [n for n in self._ctx.notes if not n.startswith(NO_OPS_NOTE)]
+        notes = [n for n in finished.run.notes if not n.startswith(NO_OPS_NOTE)]
+        return dataclasses.replace(finished, run=dataclasses.replace(finished.run, notes=notes))
 
     def merge(self, store: Store, run: Run) -> Run:
         """The ranks' shards into the stored run (unchanged when no worker became a rank)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tpudiag.distributed.shards import table_glob
+from tpudiag.store import distributed_queries as shards
 
 if TYPE_CHECKING:
     import duckdb
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 MAX_ROWS_PER_RANK = 2000
 LISTED_VERDICTS = ("fail", "overflow", "expected_precision")
 FAIL_VERDICTS = ("fail", "overflow")
-_HIVE = "hive_partitioning = true, hive_types = {'run_id': VARCHAR, 'rank': BIGINT}, union_by_name = true"
 
 OP_DIFF_COLUMNS = (
     ("run_id", "VARCHAR"), ("rank", "BIGINT"), ("restart", "BIGINT"), ("seq", "BIGINT"), ("output_index", "BIGINT"),
@@ -58,10 +57,8 @@ def _has(con: duckdb.DuckDBPyConnection, table: str) -> bool:
 
 
 def _source(root: Path, table: str) -> str | None:
-    folder = root / table
-    if not (folder.is_dir() and any(folder.glob("*/*/*.parquet"))):
-        return None
-    return f"read_parquet('{table_glob(root, table)}', {_HIVE})"
+    """The shards of ``table`` as one hive-partitioned read, or None when no rank wrote any."""
+    return shards._source(root, table) if shards.shard_files(root, table) else None
 
 
 def load(con: duckdb.DuckDBPyConnection, root: Path, run_id: str) -> None:
