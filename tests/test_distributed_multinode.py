@@ -44,15 +44,6 @@ def test_job_id_every_node_derives_the_same() -> None:
         multinode.clean_id("///")
 
 
-def test_torchtpu_session_id_is_the_job_id(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TORCH_TPU_XPROF_SESSION_ID", "1764669600123456789")
-    assert multinode.job_id(["--nproc-per-node", "8", "t.py"], None) == "1764669600123456789"  # any node count
-    assert multinode.job_id(["--nnodes", "2", "--rdzv-id", "abc", "t.py"], None) == "1764669600123456789"
-    assert multinode.job_id(["t.py"], "mine") == "mine"  # --run-id still wins
-    monkeypatch.setenv("TORCH_TPU_XPROF_SESSION_ID", "")
-    assert multinode.job_id(["--nproc-per-node", "8", "t.py"], None) is None
-
-
 def test_join_running_run_reused_id_moves_on(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.duckdb")
     first, joined = multinode.join_or_create(store, "job", make_run(status="running"))

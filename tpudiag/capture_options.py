@@ -20,6 +20,7 @@ class CaptureOptions:
     flush_interval_s: float = field(default_factory=lambda: float(os.environ.get("TPUDIAG_FLUSH_S", "10")))
     collector_options: dict[str, Any] = field(default_factory=dict)
     run_id: str | None = None  # launchers only: the job's run id, the same on every node (distributed/multinode.py)
+    remote: str | None = None  # launchers only: upload the node's run folder there (tpudiag.remote)
     # Store the run before returning; otherwise a detached child stores it after the script's exit (deferred_store).
     wait: bool = field(default_factory=lambda: os.environ.get("TPUDIAG_WAIT", "") not in ("", "0"))
 

@@ -11,7 +11,10 @@ from typing import Any
 import tpudiag
 from tpudiag.errors import TpudiagError, UsageError
 
-CAPTURE_VALUE_OPTIONS = {"--db", "--name", "--collect", "--numerics", "--budget", "--ops", "--modules", "--run-id"}
+CAPTURE_VALUE_OPTIONS = {
+    "--db", "--name", "--collect", "--numerics", "--budget", "--ops", "--modules", "--run-id",
+    "--remote", "--trace-ranks", "--numerics-ranks",
+}  # fmt: skip
 CAPTURE_FLAG_OPTIONS = {"--with-stack", "--wait", "-h", "--help"}
 
 
@@ -89,13 +92,22 @@ def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
         if collect == ["none"]:
             collect = []
     collector_options: dict[str, Any] = {"with_stack": args.with_stack}
-    for key in ("numerics", "budget", "ops", "modules"):
+    if args.profile_memory:
+        collector_options["profile_memory"] = True
+    if args.memory_dispatch:
+        collector_options["memory_dispatch"] = True
+    for key in ("numerics", "budget", "ops", "modules", "trace_ranks", "numerics_ranks"):
         value = getattr(args, key, None)
         if value is not None:
             collector_options[key] = value
+    for key in ("trace_ranks", "numerics_ranks"):
+        if collector_options.get(key) is not None:  # a bad rank list fails here, before any rank starts
+            from tpudiag.distributed.selection import parse as parse_ranks
+
+            parse_ranks(collector_options[key], "--" + key.replace("_", "-"))
     options = CaptureOptions(
         db=resolve_db_path(args.db), name=args.name, collect=collect, collector_options=collector_options,
-        run_id=args.run_id,
+        run_id=args.run_id, remote=args.remote,
     )  # fmt: skip
     if args.wait:
         options.wait = True
@@ -111,8 +123,9 @@ def cmd_runs(args: argparse.Namespace, rest: list[str]) -> int:
     store = open_store(args.db)
     store.recover_stale_runs()
     runs = queries.list_runs(store)
+    left = _not_uploaded(runs)
     if args.json:
-        print(json.dumps([run_summary(r) for r in runs], indent=2, default=str))
+        print(json.dumps([run_summary(r) | left.get(r["id"], {}) for r in runs], indent=2, default=str))
         return 0
     if not runs:
         print(f"no runs in {store.path} yet: tpudiag capture script.py")
@@ -130,10 +143,40 @@ def cmd_runs(args: argparse.Namespace, rest: list[str]) -> int:
         for r in runs
     ]
     print("\n".join(text_table(["id", "name", "status", "exit", "device", "dur (s)", "script"], rows, {3, 5})))
+    for rid, info in left.items():
+        n = len(info["not_uploaded"]["files"])
+        print(f"run {rid}: {n} file(s) not uploaded to {info['not_uploaded']['url']} (retry: tpudiag upload {rid})")
     return 0
 
 
+def _not_uploaded(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Runs whose ``--remote`` upload gave up, with what is left (only when the run folder has an upload)."""
+    from pathlib import Path
+
+    found: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        folder = Path(r["artifacts_dir"]) / "upload" if r.get("artifacts_dir") else None
+        if folder is None or not folder.is_dir():
+            continue
+        from tpudiag.remote import pending
+
+        left = pending(folder.parent)
+        if left:
+            found[r["id"]] = {"not_uploaded": left}
+    return found
+
+
 def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.remote:  # read in place from the bucket: no store involved
+        from tpudiag.remote.location import parse
+        from tpudiag.remote.reader import remote_report, render
+
+        data = remote_report(parse(args.remote), args.run)
+        if args.json:
+            print(json.dumps(data, indent=2, default=str))
+        else:
+            sys.stdout.write(render(data))
+        return 0
     from tpudiag import report
     from tpudiag.store import queries
     from tpudiag.store_access import open_store
@@ -173,6 +216,18 @@ def build_parser(extra_commands: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--collect", help="comma-separated collectors, or none (default: every available one)")
     p.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
     p.add_argument(
+        "--profile-memory",
+        action="store_true",
+        help="record the allocator's events in the trace: live bytes over time, what was live at the peak by "
+        "module and op, the largest allocations (slower; the memory collector's per-step figures need no flag)",
+    )
+    p.add_argument(
+        "--memory-dispatch",
+        action="store_true",
+        help="memory collector: count live tensor bytes at dispatch, by module and op (where the profiler records "
+        "no device memory events, e.g. TorchTPU; a dispatch mode makes torch.compile run eagerly)",
+    )
+    p.add_argument(
         "--wait",
         action="store_true",
         help="store the run before exiting (default: the script's exit status returns at once and the last "
@@ -184,6 +239,24 @@ def build_parser(extra_commands: bool = True) -> argparse.ArgumentParser:
         metavar="ID",
         help="distributed launchers: the job's run id, the same on every node, so all nodes' ranks join one run "
         "(default for a multi-node torchrun: its --rdzv-id)",
+    )
+    p.add_argument(
+        "--remote",
+        metavar="URL",
+        help="distributed launchers: upload each node's shards, raw traces and XPlanes to gs://, s3:// or file:// "
+        "as they become final, from a separate uploader process (credentials from the environment); read them "
+        "back with `tpudiag gather URL` or `tpudiag report --remote URL`",
+    )
+    p.add_argument(
+        "--trace-ranks",
+        metavar="RANKS",
+        help="distributed: only these ranks record traces, e.g. 0,last,first-per-host,3 (decided from each "
+        "rank's own environment, the same rule on every rank)",
+    )
+    p.add_argument(
+        "--numerics-ranks",
+        metavar="RANKS",
+        help="distributed: only these ranks check numerics (same syntax as --trace-ranks)",
     )
     p.add_argument(
         "--numerics",
@@ -220,6 +293,12 @@ def build_parser(extra_commands: bool = True) -> argparse.ArgumentParser:
     p.add_argument("run", nargs="?", help="run id, unique name, or omitted for the latest run")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--top", type=int, default=20, help="how many slow ops to list (default 20)")
+    p.add_argument(
+        "--remote",
+        metavar="URL",
+        help="read the run's distributed summary straight from a bucket (gs://, s3://, file://) that "
+        "`capture --remote` uploaded to; RUN is the run id there (default: the newest)",
+    )
     p.set_defaults(func=cmd_report)
 
     for register in EXTRA_COMMANDS if extra_commands else []:
@@ -235,6 +314,8 @@ EXTRA_COMMANDS: list[str] = [
     "tpudiag.commands.repro:register",
     "tpudiag.commands.compare:register",
     "tpudiag.commands.check:register",
+    "tpudiag.commands.remote_cmd:register_gather",
+    "tpudiag.commands.remote_cmd:register_upload",
 ]
 
 

@@ -76,11 +76,18 @@ def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
     target = normalize(target)
     if options.run_id and not is_launcher(target):
         raise UsageError("--run-id joins the nodes of one distributed job: needs torchrun (-m torch.distributed.run)")
+    upload = None
+    if options.remote:
+        if not is_launcher(target):
+            raise UsageError("--remote uploads a distributed job's shards: needs torchrun (-m torch.distributed.run)")
+        from tpudiag.remote import JobUpload
+
+        upload = JobUpload(options.remote)  # a bad URL or a missing client extra: a usage error, before the job
     try:
         if is_launcher(target):
             from tpudiag.distributed import launch
 
-            result = launch.capture_launcher(target, options)
+            result = launch.capture_launcher(target, options, upload=upload)
         else:
             result = capture_script(target, options)
     except StoreError as err:

@@ -18,11 +18,13 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import Protocol
 
 from tpudiag import runner
 from tpudiag.capture_options import CaptureOptions, CaptureResult
 from tpudiag.clock import Clock, SystemClock
 from tpudiag.distributed import merge, multinode
+from tpudiag.distributed.run_id import derive_run_id
 from tpudiag.distributed.session import WorkerConfig
 from tpudiag.distributed.wrapper import worker_environment, write_wrapper
 from tpudiag.errors import TpudiagError
@@ -74,7 +76,21 @@ class JobSink:
         return Delivered(merged, True)
 
 
-def capture_launcher(target: runner.Target, options: CaptureOptions, clock: Clock | None = None) -> CaptureResult:
+class Upload(Protocol):
+    """Where the node's run folder goes as its files become final (``tpudiag.remote.JobUpload`` for ``--remote``)."""
+
+    def begin(self, run_dir: Path, run_id: str) -> str | None:
+        """Start uploading; a note for the run when it could not (the job runs anyway)."""
+        ...
+
+    def end(self, run_dir: Path, run: Run) -> None:
+        """The node's outcome is known: send the rest; never waits."""
+        ...
+
+
+def capture_launcher(
+    target: runner.Target, options: CaptureOptions, clock: Clock | None = None, upload: Upload | None = None
+) -> CaptureResult:
     clock = clock or SystemClock()
     runner.check_target(target)
     with runner.signals_to_main_thread():
@@ -85,7 +101,7 @@ def capture_launcher(target: runner.Target, options: CaptureOptions, clock: Cloc
     script = getattr(multinode.parse_launcher_args(target.args), "training_script", None)  # not a flag's value
     name = options.name or (Path(script).stem if script else "torchrun")
     start = RunStart(name, target.display, target.args, Path(script) if script else Path.cwd())
-    job = multinode.job_id(target.args, options.run_id)
+    job = derive_run_id(options.run_id, target.args)
     node: multinode.NodeMarker | None = None
     if job is None:
         run, run_dir = prepare_run(store, clock, start, collectors)
@@ -101,6 +117,10 @@ def capture_launcher(target: runner.Target, options: CaptureOptions, clock: Cloc
         run, run_dir, Spool(run_dir / "spool"), [], sink, clock=clock, ended_with="launcher", flush_s=0
     )
     session.start(flusher=False)
+    if upload is not None:  # every node uploads under the job's id (this store may have moved it on to ID.2)
+        trouble = upload.begin(run_dir, job or run.id)
+        if trouble:
+            session.note(trouble)
     if any(a.split("=", 1)[0] in UNREACHED_FLAGS for a in target.args):
         session.note("--run-path / --no-python workers do not start through PYTHON_EXEC: they were not captured")
     config = WorkerConfig(
@@ -113,7 +133,10 @@ def capture_launcher(target: runner.Target, options: CaptureOptions, clock: Cloc
     wrapper = write_wrapper(run_dir, os.environ.get("PYTHON_EXEC") or sys.executable, node.path.stem if node else "")
     with worker_environment(config, wrapper):
         outcome = runner.run(target)
-    delivered = session.deliver(session.stop(outcome))
+    finished = session.stop(outcome)
+    if upload is not None:  # the uploader sends the rest and the completion marker; nobody waits for it
+        upload.end(run_dir, finished.run)
+    delivered = session.deliver(finished)
     for note in delivered.notes:
         session.note(note)
     return CaptureResult(run.id, outcome.exit_code, delivered.run.status, [], session.ctx, True)

@@ -68,6 +68,22 @@ def _lost_ranks(run_id: str, infos: list[dict[str, Any]], present: set[tuple[int
     ]
 
 
+def load_rank_data(con: duckdb.DuckDBPyConnection, root: q.Root, run_id: str) -> list[dict[str, Any]]:
+    """The ``dist_*`` tables of ``run_id`` from the shards under ``root`` (a local folder or a bucket's objects),
+    lost ranks included; the rank records."""
+    q.ensure_tables(con)
+    q.clear_run(con, run_id)
+    q.load_rank_tables(con, root, run_id)
+    pairs = q.load_collectives(con, root, run_id)
+    q.set_bytes(con, run_id, {p: collective_bytes(*p) for p in pairs})
+    infos = q.ranks(con, run_id)
+    lost = _lost_ranks(run_id, infos, q.present_ranks(con, root))
+    q.insert_arrow(con, RankInfo.TABLE, records_to_arrow(RankInfo, lost))
+    q.set_numerics_counts(con, run_id, q.numerics_counts(con, root))
+    rank_numerics_queries.load(con, root, run_id)  # every rank's divergent ops, not only the main tables' rank
+    return q.ranks(con, run_id)
+
+
 def finish(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection, main_tables: bool = True) -> Run:
     """Merge the shards under ``run_dir/shards`` into ``run``; returns the run with status and notes updated.
 
@@ -77,17 +93,7 @@ def finish(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection
     root = run_dir / "shards"
     if not has_shards(run_dir):
         return dataclasses.replace(run, notes=[*run.notes, "no rank wrote any data (were the workers captured?)"])
-    q.ensure_tables(con)
-    q.clear_run(con, run.id)
-    q.load_rank_tables(con, root, run.id)
-    pairs = q.load_collectives(con, root, run.id)
-    q.set_bytes(con, run.id, {p: collective_bytes(*p) for p in pairs})
-    infos = q.ranks(con, run.id)
-    lost = _lost_ranks(run.id, infos, q.present_ranks(con, root))
-    q.insert_arrow(con, RankInfo.TABLE, records_to_arrow(RankInfo, lost))
-    q.set_numerics_counts(con, run.id, q.numerics_counts(con, root))
-    rank_numerics_queries.load(con, root, run.id)  # every rank's divergent ops, not only the main tables' rank
-    infos = q.ranks(con, run.id)
+    infos = load_rank_data(con, root, run.id)
     last = max(int(r["restart"]) for r in infos)
     lowest = min(int(r["rank"]) for r in infos if int(r["restart"]) == last)
     if main_tables:

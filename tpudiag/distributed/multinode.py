@@ -3,8 +3,6 @@
 The job's run id is the same on every node without any talking between them:
 
 - ``tpudiag capture --run-id ID ...`` when given (any launcher);
-- else ``TORCH_TPU_XPROF_SESSION_ID`` when set: TorchTPU's launch wrappers (``singlehost_wrapper``,
-  ``multihost_wrapper``, then torchrun) export it, fresh per run (ns since epoch), to every worker on every host;
 - else torchrun's ``--rdzv-id`` when the job spans nodes (``--nnodes`` other than 1): every node of a torchrun job
   must pass the same one.  A single-node job keeps a fresh run id (rendezvous ids are often reused there).
 
@@ -38,7 +36,6 @@ from tpudiag.store.database import decode_run
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 MAX_REUSE = 100
-SESSION_ENV = "TORCH_TPU_XPROF_SESSION_ID"  # set by TorchTPU's singlehost_wrapper / multihost_wrapper
 _WORSE = {"ok": 0, "interrupted": 1, "failed": 2}
 
 
@@ -68,9 +65,6 @@ def job_id(launcher_args: Sequence[str], explicit: str | None) -> str | None:
     """The id every node of the job derives the same way, or None (a fresh run id)."""
     if explicit:
         return clean_id(explicit)
-    session = os.environ.get(SESSION_ENV, "").strip()
-    if session:  # TorchTPU's launch wrappers: one id for every worker of the run, on every host
-        return clean_id(session)
     args = parse_launcher_args(launcher_args)
     if args is None:
         return None

@@ -7,7 +7,7 @@ so its cost grows with ranks times collectives, not with trace size.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpudiag.distributed import analysis
 from tpudiag.distributed.identity import chip_of
@@ -17,30 +17,39 @@ from tpudiag.store import distributed_queries as q
 RANK_KEYS = ("rank", "local_rank", "host", "pid", "status", "exit_code", "error", "device", "backend")
 MAX_RANKS_LISTED = 16
 
+if TYPE_CHECKING:
+    import duckdb
+
 
 def build_section(store: Store, run: dict[str, Any]) -> dict[str, Any] | None:
     with store.reader() as con:
         if not q.has_tables(con):
             return None
-        infos = q.ranks(con, run["id"])
-        if not infos:
-            return None
-        last = max(int(r["restart"]) for r in infos)
-        # Collectives are aggregated in SQL (ranks x collectives rows never come to Python); the pure functions
-        # of ``analysis`` get the few rows they decide on.
-        counts = q.collective_counts(con, run["id"], last)
-        ranks = [int(r["rank"]) for r in infos if int(r["restart"]) == last]
-        mismatch = analysis.collective_mismatch(q.first_mismatch(con, run["id"], last), all_ranks=ranks)
-        paired = analysis.paired_count((c["collectives"] for c in counts.values()), mismatch) if counts else 0
-        stragglers = analysis.stragglers_from(
-            q.lateness(con, run["id"], last, paired), paired, q.waits_before(con, run["id"], last, paired)
-        )
-        # Only the cells where ranks disagree, and per-rank step figures: nothing ranks x steps comes to Python.
-        divergence = analysis.rank_divergence(
-            q.divergent_fingerprints(con, run["id"], last), all_ranks=q.fingerprint_ranks(con, run["id"], last)
-        )
-        spread = q.step_spread(con, run["id"], last)
-        compiles = q.compile_events(con, run["id"], last)
+        return section_from(con, run["id"])
+
+
+def section_from(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any] | None:
+    """The section from the ``dist_*`` tables of ``con`` (a store, or ``tpudiag.remote.reader``'s in-memory
+    database over a bucket)."""
+    infos = q.ranks(con, run_id)
+    if not infos:
+        return None
+    last = max(int(r["restart"]) for r in infos)
+    # Collectives are aggregated in SQL (ranks x collectives rows never come to Python); the pure functions
+    # of ``analysis`` get the few rows they decide on.
+    counts = q.collective_counts(con, run_id, last)
+    ranks = [int(r["rank"]) for r in infos if int(r["restart"]) == last]
+    mismatch = analysis.collective_mismatch(q.first_mismatch(con, run_id, last), all_ranks=ranks)
+    paired = analysis.paired_count((c["collectives"] for c in counts.values()), mismatch) if counts else 0
+    stragglers = analysis.stragglers_from(
+        q.lateness(con, run_id, last, paired), paired, q.waits_before(con, run_id, last, paired)
+    )
+    # Only the cells where ranks disagree, and per-rank step figures: nothing ranks x steps comes to Python.
+    divergence = analysis.rank_divergence(
+        q.divergent_fingerprints(con, run_id, last), all_ranks=q.fingerprint_ranks(con, run_id, last)
+    )
+    spread = q.step_spread(con, run_id, last)
+    compiles = q.compile_events(con, run_id, last)
     return assemble(infos, counts, mismatch, stragglers, divergence, spread, compiles)
 
 

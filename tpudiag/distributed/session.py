@@ -18,6 +18,7 @@ from typing import Any
 
 from tpudiag import console, runner
 from tpudiag.clock import Clock, SystemClock
+from tpudiag.distributed import selection
 from tpudiag.distributed.identity import RankIdentity
 from tpudiag.distributed.probe import DistributedProbe
 from tpudiag.distributed.records import RankInfo
@@ -175,6 +176,10 @@ class WorkerSession:
         console.set_rank(provisional or 0)  # tpudiag's stderr lines from this process say which rank wrote them
         self.workdir.mkdir(parents=True, exist_ok=True)
         collectors = load_collectors(self.config.collect)
+        skip = selection.deselected(options, provisional or 0, self.identity.local_rank, self.identity.world_size)
+        if skip:  # --trace-ranks / --numerics-ranks: the same rule on every rank, from the launcher's environment
+            collectors = [c for c in collectors if c.name not in skip]
+            self.notes.append(f"rank not selected for: {', '.join(sorted(skip))}")
         run = Run(
             id=self.config.run_id, name="rank", status="running", started_at=self.clock.wall(), pid=self.identity.pid
         )

@@ -8,7 +8,7 @@ stores without one keep their schema.  Shards are read with one hive-partitioned
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tpudiag.distributed.analysis import Lateness
 from tpudiag.distributed.records import Collective, Fingerprint, RankInfo
@@ -47,12 +47,27 @@ def has_tables(con: duckdb.DuckDBPyConnection) -> bool:
     return bool(rows and rows[0][0])
 
 
-def shard_files(root: Path, table: str) -> list[str]:
+class ShardSource(Protocol):
+    """Shards that are not a local folder (``tpudiag.remote.reader``: objects in a bucket)."""
+
+    def files(self, table: str) -> list[str]: ...
+
+    def source(self, table: str) -> str: ...
+
+
+Root = Path | ShardSource
+
+
+def shard_files(root: Root, table: str) -> list[str]:
+    if not isinstance(root, Path):
+        return root.files(table)
     folder = root / table
     return sorted(str(p) for p in folder.glob("*/*/*.parquet")) if folder.is_dir() else []
 
 
-def _source(root: Path, table: str) -> str:
+def _source(root: Root, table: str) -> str:
+    if not isinstance(root, Path):
+        return root.source(table)
     return f"read_parquet('{table_glob(root, table)}', {_HIVE})"
 
 
@@ -61,7 +76,7 @@ def clear_run(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
         con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
 
 
-def load_rank_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str) -> None:
+def load_rank_tables(con: duckdb.DuckDBPyConnection, root: Root, run_id: str) -> None:
     """Every attempt of every rank into the ``dist_*`` tables (collectives are derived separately)."""
     pairs = {RankInfo.TABLE: RankInfo.TABLE, Fingerprint.TABLE: Fingerprint.TABLE}
     pairs.update({"dist_steps": Step.TABLE, "dist_compile_events": CompileEvent.TABLE})
@@ -136,7 +151,7 @@ def load_declared_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str
 SizeKey = tuple[str | None, str | None]
 
 
-def load_collectives(con: duckdb.DuckDBPyConnection, root: Path, run_id: str) -> list[SizeKey]:
+def load_collectives(con: duckdb.DuckDBPyConnection, root: Root, run_id: str) -> list[SizeKey]:
     """Every rank's communication ranges (gloo/NCCL annotations) into ``dist_collectives``, numbered per rank in
     the order it entered them; returns the distinct (shapes, dtypes) pairs, whose byte counts ``set_bytes`` adds."""
     if not shard_files(root, "trace_events"):
@@ -187,7 +202,7 @@ def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> 
         con.unregister("tpudiag_dist_rows")
 
 
-def numerics_counts(con: duckdb.DuckDBPyConnection, root: Path) -> list[tuple[int, int, int, int]]:
+def numerics_counts(con: duckdb.DuckDBPyConnection, root: Root) -> list[tuple[int, int, int, int]]:
     """(rank, attempt, outputs compared, failing outputs) from every rank's op diffs."""
     if not shard_files(root, "op_diffs"):
         return []
@@ -207,7 +222,7 @@ def set_numerics_counts(con: duckdb.DuckDBPyConnection, run_id: str, counts: lis
         )
 
 
-def present_ranks(con: duckdb.DuckDBPyConnection, root: Path) -> set[tuple[int, int]]:
+def present_ranks(con: duckdb.DuckDBPyConnection, root: Root) -> set[tuple[int, int]]:
     """(rank, attempt) of every rank that wrote anything at all."""
     found: set[tuple[int, int]] = set()
     for table in ("trace_events", "steps", "compile_events", "ops", Fingerprint.TABLE):

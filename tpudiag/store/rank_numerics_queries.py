@@ -15,7 +15,6 @@ stores keep their schema; every read returns "nothing" when a table is absent.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpudiag.store import distributed_queries as shards
@@ -56,12 +55,12 @@ def _has(con: duckdb.DuckDBPyConnection, table: str) -> bool:
     return bool(rows and rows[0][0])
 
 
-def _source(root: Path, table: str) -> str | None:
+def _source(root: shards.Root, table: str) -> str | None:
     """The shards of ``table`` as one hive-partitioned read, or None when no rank wrote any."""
     return shards._source(root, table) if shards.shard_files(root, table) else None
 
 
-def load(con: duckdb.DuckDBPyConnection, root: Path, run_id: str) -> None:
+def load(con: duckdb.DuckDBPyConnection, root: shards.Root, run_id: str) -> None:
     """Every rank's listed outputs and per-op counts from the shards under ``root`` (replacing earlier ones)."""
     ensure_tables(con)
     for table in ("dist_op_diffs", "dist_numerics"):

@@ -1,0 +1,131 @@
+"""``tpudiag report --remote URL RUN``: a run's distributed summary read where it lies, with no copy.
+
+DuckDB reads the manifest-listed Parquet objects through the bucket's fsspec filesystem
+(``DuckDBPyConnection.register_filesystem``; DuckDB's own httpfs extension is not needed, which matters where
+extensions cannot be downloaded).  Only the run's own ``run_id=`` partitions are read (the object list comes from
+its manifests: partition pruning by construction) and only the columns a query names (Parquet range reads).  The
+``dist_*`` tables are built in an in-memory database by the same code a local merge uses
+(``tpudiag.distributed.merge.load_rank_data``) and the section by the same code ``tpudiag report`` uses
+(``report_section.section_from``), so both give the same answers.  Raw traces are never read here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tpudiag.distributed import merge
+from tpudiag.distributed.report_section import section_from
+from tpudiag.remote import catalog
+from tpudiag.remote.gather import run_record
+from tpudiag.remote.location import Remote
+
+if TYPE_CHECKING:
+    import duckdb
+
+_HIVE = (
+    "hive_partitioning = true, hive_types = {'run_id': VARCHAR, 'node': VARCHAR, 'rank': BIGINT}, union_by_name = true"
+)
+
+
+# What the distributed merge reads of each table (``distributed_queries``): every other table is small and read
+# whole.  Each object is read once, with only these columns (Parquet column chunks: range reads).
+_COLLECTIVES = "category = 'user_annotation' AND (starts_with(name, 'gloo:') OR starts_with(name, 'nccl:'))"
+_PROJECTIONS = {
+    # the collectives, plus one row per (rank, restart) for the ranks that traced anything (``present_ranks``)
+    "trace_events": (
+        "SELECT rank, restart, name, category, shapes, dtypes, start_ns, dur_ns, event_id FROM {src} "
+        f"WHERE {_COLLECTIVES} "
+        "UNION ALL SELECT DISTINCT rank, restart, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM {src}"
+    ),
+    "ops": "SELECT DISTINCT rank, restart FROM {src}",
+    "op_diffs": "SELECT rank, restart, verdict FROM {src}",
+}
+
+
+class BucketShards:
+    """The shard objects of one run, as ``distributed_queries`` reads them (a ``ShardSource``).
+
+    ``load(con)`` reads each table's objects once into a temporary table of ``con`` (only what the merge needs);
+    the merge's queries then run against those, so no object is fetched twice."""
+
+    def __init__(self, remote: Remote, states: list[catalog.NodeState]) -> None:
+        self.by_table: dict[str, list[str]] = defaultdict(list)
+        for state in states:
+            for obj in state.shard_objects():  # file://: DuckDB's own file system reads the plain path
+                name = remote.path(obj) if remote.protocol == "file" else remote.uri(obj)
+                self.by_table[obj.split("/")[1]].append(name)
+
+    def files(self, table: str) -> list[str]:
+        return sorted(self.by_table.get(table, []))
+
+    def _remote(self, table: str) -> str:
+        files = ", ".join("'" + f.replace("'", "''") + "'" for f in self.files(table))
+        return f"(SELECT * EXCLUDE (node) FROM read_parquet([{files}], {_HIVE}))"
+
+    def load(self, con: duckdb.DuckDBPyConnection) -> None:
+        for table in self.by_table:
+            query = _PROJECTIONS.get(table, "SELECT * FROM {src}").format(src=self._remote(table))
+            con.execute(f'CREATE TEMP TABLE "remote_{table}" AS {query}')
+
+    def source(self, table: str) -> str:
+        return f'"remote_{table}"'
+
+
+def remote_report(remote: Remote, run_id: str | None, memory_limit: str | None = None) -> dict[str, Any]:
+    import duckdb
+
+    fs = remote.filesystem()
+    rid = catalog.resolve_run(remote, fs, run_id)
+    states = catalog.nodes(remote, fs, rid)
+    con = duckdb.connect(":memory:")
+    try:
+        with contextlib.suppress(duckdb.Error):  # Jupyter refuses the setting without ipywidgets (no bar there)
+            con.execute("SET enable_progress_bar = false")  # DuckDB draws it on stdout, the report's (--json)
+        if memory_limit:
+            con.execute(f"SET memory_limit = '{memory_limit}'")
+        if remote.protocol != "file":
+            con.register_filesystem(fs)
+        source = BucketShards(remote, states)
+        if remote.protocol != "file":
+            # One listing per table of this run fills the client's directory cache: DuckDB asks each object's size
+            # and time several times, which would otherwise be a HEAD request each.
+            for table in source.by_table:
+                with contextlib.suppress(Exception):
+                    fs.find(remote.path("shards", table, f"run_id={rid}"))
+        source.load(con)
+        merge.load_rank_data(con, source, rid)
+        section = section_from(con, rid)
+    finally:
+        con.close()
+    run = dataclasses.asdict(run_record(rid, states, Path(".")))
+    run.pop("artifacts_dir", None)
+    nodes = [
+        {
+            "node": s.node,
+            "host": s.host,
+            "finished": s.complete is not None,
+            "status": (s.complete or {}).get("status"),
+            "objects": len(s.objects),
+        }
+        for s in states
+    ]
+    return {"run": run, "remote": remote.url, "nodes": nodes, "distributed": section}
+
+
+def render(data: dict[str, Any]) -> str:
+    from tpudiag.distributed.report_section import render_section
+
+    run = data["run"]
+    lines = [f"run {run['id']} ({run['status']}, exit {run['exit_code']}) read from {data['remote']}"]
+    for n in data["nodes"]:
+        state = f"finished ({n['status']})" if n["finished"] else "no completion marker (crashed or running)"
+        lines.append(f"  node {n['node']}: {state}, {n['objects']} objects")
+    if data["distributed"]:
+        lines += render_section(data["distributed"])
+    else:
+        lines.append("no rank records in the bucket for this run yet")
+    return "\n".join(lines) + "\n"
