@@ -253,6 +253,9 @@ class NumericsCollector:
                 "compiled_frames": self._compiles,
                 "seconds_checking": round(self._mode.budget.extra_s, 3),
                 "shadow_dropped": self._mode.shadow.dropped,
+                # Kept float64 copies found changed without a version bump (fused/foreach/compiled writes): each
+                # would have fed the oracle an old value; they were refused and copied afresh.
+                "copies_stale": self._mode.copies.stale,
             }
         )
         self._settings["precision"]["autocast_seen"] = sorted(self._mode.autocast_seen)

@@ -208,6 +208,12 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.detach_requested = True
         self.recorder.findings.seen += 1
         plan = oracle.plan_for(func)
+        if plan.mutates and len(self.copies):
+            # Its written arguments' kept copies are stale once it runs (fused and foreach ops write without a
+            # version bump under a dispatch mode): dropped now, whether or not this call is checked.
+            self.copies.forget(
+                [t for t in oracle.tree_flatten(oracle.written_values(plan, args, kwargs))[0] if _strided(t)]
+            )
         phase = "backward" if torch._C._current_graph_task_id() >= 0 else "forward"
         key = (plan.name, phase)
         calls = self.step_calls.get(key)
@@ -414,6 +420,8 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 diffs = self._compare(
                     func, plan, seq, src_args, src_kwargs, args, kwargs, outputs, tensors, shadow_subst, fresh
                 )
+            if self.ctx.device_kind == "cpu" and any(d.role == "originator" for d in diffs):
+                diffs = self._confirm(func, plan, seq, src_args, src_kwargs, args, kwargs, outputs, tensors, p, diffs)
         except _OracleFailed as failed:
             checked, skip_reason = False, failed.reason
             diffs = []
@@ -475,6 +483,48 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if self.ctx.on_divergence is not None:
                     self.ctx.on_divergence(record, divergent[0])
 
+    def _confirm(
+        self,
+        func: Any,
+        plan: OpPlan,
+        seq: int,
+        src_args: tuple[Any, ...],
+        src_kwargs: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        outputs: list[Any],
+        tensors: list[torch.Tensor],
+        p: _Pending,
+        diffs: list[OpDiff],
+    ) -> list[OpDiff]:
+        """An originator's verdict, judged again from fresh copies of its inputs, exactly as its repro bundle will be.
+
+        The in-run verdict and the repro must agree: the first judgement may read kept float64 copies, so an
+        originator is judged once more without them (rare: divergent calls only).  Should the two differ, the kept
+        copy was stale, which is tpudiag's fault: recorded as an internal error, the fresh verdict stands.
+        """
+        with _tool_range():
+            fresh = self._compare(
+                func,
+                plan,
+                seq,
+                src_args,
+                src_kwargs,
+                args,
+                kwargs,
+                outputs,
+                tensors,
+                p.shadow_subst,
+                p.fresh,
+                use_copies=False,
+            )
+        if [(d.verdict, d.role) for d in fresh] != [(d.verdict, d.role) for d in diffs]:
+            try:
+                raise RuntimeError(f"a kept float64 copy disagreed with a fresh one ({plan.name} seq {seq})")
+            except RuntimeError as err:
+                internal_errors.current().record("numerics", plan.name, err)
+        return fresh
+
     def _compare(
         self,
         func: Any,
@@ -488,10 +538,11 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         tensors: list[torch.Tensor],
         shadow_subst: dict[int, torch.Tensor],
         fresh: set[int],
+        use_copies: bool = True,
     ) -> list[OpDiff]:
         storage = plan.name.split("::")[-1] in oracle.STORAGE_OPS
         convert = oracle.convert_storage_faithful if storage else oracle.convert
-        copies = self.copies if not storage and self.ctx.device_kind == "cpu" else None
+        copies = self.copies if use_copies and not storage and self.ctx.device_kind == "cpu" else None
         _, _, expected = self._run(func, plan, src_args, src_kwargs, convert, oracle.float64_of, copies=copies)
         if len(expected) != len(outputs):
             raise _OracleFailed("output_mismatch")
