@@ -347,3 +347,35 @@ def test_a_planted_fault_in_sdpa_is_the_only_originator(
     library(op, kernel)
     _, ops, diffs, _ = _run(lambda: _sdpa_train(backend, causal, None), "sample")
     assert _originators(ops, diffs) == [f"aten::{'_safe_softmax' if op == '_softmax' else op}"]
+
+
+# -- mixed precision ------------------------------------------------------------------------------------------------
+def test_mixed_precision_kernels_are_judged_at_their_least_precise_input() -> None:
+    """bf16 autocast on the CPU: a LayerNorm's backward takes bf16 activations and gradients with float32 weights
+    and writes float32 weight/bias gradients rounded as bf16 work is (2e4 float32 eps: issue 19's Accelerator loop).
+    Judged at bf16 they pass; a float32-only op next to them is still judged at float32."""
+    from tpudiag.analysis.verdict import working_dtype
+
+    assert working_dtype("float32", ["bfloat16", "float32"]) == "bfloat16"
+    assert working_dtype("float32", ["float32", "int64"]) == "float32"
+    assert working_dtype("bfloat16", ["float32"]) == "bfloat16"
+    assert working_dtype("int64", ["bfloat16"]) == "int64"
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
+    )
+    xs = [torch.randn(8, 16, generator=gen) for _ in range(3)]
+
+    def step() -> list[torch.Tensor]:
+        for x in xs:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            loss.backward()
+        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    _, ops, diffs, _ = _run(step, "all")
+    ln = [o for o in ops if o.op == "aten::native_layer_norm_backward" and o.checked]
+    assert ln and all('"bfloat16"' in (o.dtypes or "") for o in ln)
+    ln_diffs = [d for d in diffs if d.seq in {o.seq for o in ln} and d.dtype == "float32"]
+    assert ln_diffs and all(d.verdict == "pass" and "judged at bfloat16" in (d.note or "") for d in ln_diffs)
+    assert _originators(ops, diffs) == []

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpudiag import internal_errors
 from tpudiag.analysis.numerics_metrics import OutputMetrics, compare, dtype_name, is_discrete
-from tpudiag.analysis.verdict import DIVERGENT, Evidence, Verdict, decide, eps_of, role
+from tpudiag.analysis.verdict import DIVERGENT, Evidence, Verdict, decide, eps_of, role, working_dtype
 from tpudiag.collectors.numerics.records import Recorder, describe_inputs
 from tpudiag.collectors.numerics.sampling import Budget, Sampler, SamplingOptions, module_matches, op_matches
 from tpudiag.collectors.numerics.shadow import ShadowStream
@@ -571,6 +571,7 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             except _OracleFailed:
                 shadowed = None
         red_len = oracle.reduction_len(plan, tensors, outputs)
+        in_dtypes = {dtype_name(t.dtype) for t in tensors}
         diffs: list[OpDiff] = []
         for i, (dev, exp) in enumerate(zip(outputs, expected, strict=True)):
             skip = plan.skip_outputs.get(i)
@@ -619,7 +620,10 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 mismatch_rate=m.mismatch_rate,
                 reduction_len=red_len,
             )
-            verdict = decide(ev)
+            # A mixed-precision kernel (bf16 inputs, float32 output) is judged at its least precise input.
+            at = working_dtype(m.dtype, in_dtypes)
+            factor = eps_of(m.dtype) / eps_of(at) if at != m.dtype else 1.0
+            verdict = _decide_at(ev, at, factor)
             if verdict.verdict != "pass" and m.max_ulp is None and m.mismatch_rate is None:
                 m = compare(device_cpu, exp_t)  # the full metric set, for what will be reported
             if verdict.verdict == "fail" and plan.kind in CANCELLING_KINDS and m.max_abs is not None:
@@ -630,19 +634,19 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     rescaled = m.max_abs / (eps_of(m.dtype) * bound)
                     m = dataclasses.replace(m, scaled_error=rescaled, scale=bound)
                     ev = dataclasses.replace(ev, scaled_error=rescaled)
-                    verdict = decide(ev)
+                    verdict = _decide_at(ev, at, factor)
             emulated: float | None = None
             if verdict.verdict == "fail" and plan.kind == "matmul" and m.dtype == "float32" and self.ctx.emulations:
                 emulated = self._emulated_error(func, plan, src_args, src_kwargs, i, exp_t)
                 if emulated is not None:
-                    verdict = decide(Evidence(**{**ev.__dict__, "emulated_scaled_error": emulated}))
+                    verdict = _decide_at(Evidence(**{**ev.__dict__, "emulated_scaled_error": emulated}), at, factor)
             prop_err: float | None = None
             prop_div = False
             if shadowed is not None and i < len(shadowed) and not is_discrete(dev_t.dtype):
                 sm = compare(device_cpu, oracle.as_tensor(shadowed[i]), detail=False, actual64=dev64)
                 prop_err = sm.scaled_error
                 prop_div = (
-                    decide(
+                    _decide_at(
                         Evidence(
                             dtype=sm.dtype,
                             kind=plan.kind,
@@ -650,7 +654,9 @@ class NumericsMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                             overflow=sm.overflow,
                             nonfinite_mismatch=sm.nonfinite_mismatch,
                             reduction_len=red_len,
-                        )
+                        ),
+                        at,
+                        factor,
                     ).verdict
                     in DIVERGENT
                 )
@@ -804,6 +810,27 @@ class _Pending:
     fresh: set[int] = dataclasses.field(default_factory=set)
     shadow_subst: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     t_check: float = 0.0
+
+
+def _decide_at(ev: Evidence, at: str, factor: float) -> Verdict:
+    """``decide`` at dtype ``at`` (eps ``1/factor`` times the output's); the threshold kept in the output's eps."""
+    if factor == 1.0:
+        return decide(ev)
+
+    def scaled(x: float | None) -> float | None:
+        return None if x is None else x * factor
+
+    v = decide(
+        dataclasses.replace(
+            ev,
+            dtype=at,
+            scaled_error=scaled(ev.scaled_error),
+            ref_scaled_error=scaled(ev.ref_scaled_error),
+            emulated_scaled_error=scaled(ev.emulated_scaled_error),
+        )
+    )
+    note = f"judged at {at}, its least precise input" + (f": {v.note}" if v.note else "")
+    return Verdict(v.verdict, None if v.threshold is None else v.threshold / factor, note)
 
 
 def _op_name(func: Any) -> str:

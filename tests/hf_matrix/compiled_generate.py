@@ -22,6 +22,8 @@ model = LlamaForCausalLM(
     )
 ).eval()
 ids = torch.randint(1, 100, (1, 6))
+config = transformers.CompileConfig(backend="inductor")
+config._compile_all_devices = True  # transformers compiles generate() on accelerators only unless told
 with torch.no_grad():
     gen = model.generate(
         ids,
@@ -29,7 +31,7 @@ with torch.no_grad():
         do_sample=False,
         pad_token_id=0,
         cache_implementation="static",
-        compile_config=transformers.CompileConfig(backend="inductor"),
+        compile_config=config,
     )
 print("generated", gen.tolist())
 _common.add("generate", gen)
