@@ -115,6 +115,7 @@ def replay_divergent(db: Path, tmp: Path, **env: str) -> list[tuple[int, str, bo
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the compiled cases build Inductor's C++ kernels cold, twice (plain and captured)
 @pytest.mark.parametrize("case", CASES)
 def test_hf_path_is_clean_checked_and_unchanged(case: str, tmp_path: Path) -> None:
     work = tmp_path / "work"

@@ -11,7 +11,7 @@ model = LlamaForCausalLM(
     LlamaConfig(
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=100,
