@@ -10,7 +10,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from tpudiag.app.common import chart_text, fmt_ns
+from tpudiag.app.text import chart_text, fmt_ns
 
 PALETTE = (
     "#4c78a8",

@@ -7,7 +7,6 @@ through Markdown or HTML.  Headers, captions and messages only carry text writte
 
 from __future__ import annotations
 
-import html
 import math
 import shlex
 from collections.abc import Callable
@@ -15,9 +14,12 @@ from typing import Any
 
 import streamlit as st
 
+from tpudiag.app.text import chart_text as chart_text  # re-exported: the pages import them from here
+from tpudiag.app.text import fmt_ns as fmt_ns
 from tpudiag.errors import TpudiagError
-from tpudiag.store import DEFAULT_DB, Store, resolve_db_path
+from tpudiag.store import DEFAULT_DB, Store
 from tpudiag.store import dashboard_queries as q
+from tpudiag.store_access import open_store
 
 RUN_KEY = "run"  # session-state key of the selected run id (shared by every page)
 # Readers wait at most this long for a capture's write transaction before the page says the store is busy.
@@ -26,7 +28,7 @@ LOCK_TIMEOUT_S = 20.0
 
 def store() -> Store:
     """The store the dashboard serves (``TPUDIAG_DB``), opened per use: nothing is held between runs."""
-    return Store(resolve_db_path(None).absolute(), lock_timeout_s=LOCK_TIMEOUT_S)
+    return open_store(None, lock_timeout_s=LOCK_TIMEOUT_S)
 
 
 def db_option(s: Store) -> str:
@@ -50,7 +52,7 @@ def store_version(s: Store) -> tuple[int, ...]:
 @st.cache_data(max_entries=256, show_spinner=False)
 def _cached(name: str, path: str, version: tuple[int, ...], args: tuple[Any, ...], kwargs: tuple[Any, ...]) -> Any:
     fn: Callable[..., Any] = getattr(q, name)
-    return fn(Store(path, lock_timeout_s=LOCK_TIMEOUT_S), *args, **dict(kwargs))
+    return fn(open_store(path, lock_timeout_s=LOCK_TIMEOUT_S), *args, **dict(kwargs))
 
 
 def load(name: str, s: Store, *args: Any, **kwargs: Any) -> Any:
@@ -63,27 +65,12 @@ def load(name: str, s: Store, *args: Any, **kwargs: Any) -> Any:
 
 
 # -- formatting ----------------------------------------------------------------------------------------------
-def fmt_ns(ns: float | int | None) -> str:
-    if ns is None or (isinstance(ns, float) and math.isnan(ns)):
-        return "–"
-    v = float(ns)
-    for unit, scale in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
-        if abs(v) >= scale:
-            return f"{v / scale:.2f} {unit}"
-    return f"{v:.0f} ns"
-
-
 def fmt_num(v: float | int | None, digits: int = 3) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
     if isinstance(v, int) or (float(v).is_integer() and abs(v) < 1e15):
         return f"{int(v):,}"
     return f"{v:.{digits}g}"
-
-
-def chart_text(value: Any) -> str:
-    """A stored string made safe for plotly, which reads a few HTML tags (<a>, <b>, <br>) in its labels."""
-    return html.escape("" if value is None else str(value), quote=True)
 
 
 def run_label(run: dict[str, Any]) -> str:

@@ -26,11 +26,12 @@ from tpudiag.app.common import (
 from tpudiag.comparison import compile_diff, stats
 from tpudiag.comparison.dashboard_view import load_view
 from tpudiag.store import Store
+from tpudiag.store_access import open_store
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
 def _view(path: str, version: tuple[int, ...], run_a: str, run_b: str) -> dict[str, Any]:
-    return load_view(Store(path, lock_timeout_s=LOCK_TIMEOUT_S), run_a, run_b)
+    return load_view(open_store(path, lock_timeout_s=LOCK_TIMEOUT_S), run_a, run_b)
 
 
 def _ms(s: float | None) -> float | None:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from tpudiag import deferred_store
-from tpudiag.store import Store
+from tpudiag.store import Store, pending
 
 BENCH = Path(__file__).resolve().parent
 WORKLOAD = BENCH / "workloads" / "mlp_loop.py"
@@ -52,7 +52,7 @@ def _run(mode: str, work: Path) -> tuple[float, float]:
     if mode == "tpudiag":
         # The capture returned once the script's status was known; the next round must not share the machine
         # with its detached store write: wait for it as every reader does.
-        deferred_store.settle(Store(work / "b.duckdb"))
+        pending.settle(Store(work / "b.duckdb"), deferred_store.finish)
     return float(out.read_text()), wall
 
 

@@ -158,7 +158,7 @@ class TpuTraceSession:
     def write(self, ctx: CaptureContext, first_event_id: int = 0) -> int:
         """Load the XSpaces not written yet into the run's spool; returns the number of events written."""
         from tpudiag.errors import TpudiagError
-        from tpudiag.traces import kineto, xplane
+        from tpudiag.traces import kineto_tables, xplane
 
         events = first_event_id
         for path in self.xspaces():
@@ -171,7 +171,7 @@ class TpuTraceSession:
                 ctx.note(f"the TPU trace {path.name} could not be read ({err})")
                 continue
             ctx.spool.write_table("trace_events", tables.events)
-            ctx.spool.write_table("steps", kineto.steps_table(tables.steps, ctx.run_id, rank=self.rank))
+            ctx.spool.write_table("steps", kineto_tables.steps_table(tables.steps, ctx.run_id, rank=self.rank))
             events += tables.events.num_rows
         ctx.metadata["tpu_trace_files"] = [str(p) for p in sorted(self._written)]
         return events - first_event_id

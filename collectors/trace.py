@@ -140,7 +140,7 @@ class TraceCollector:
             return
         # The capture may leave the last chunk's analysis to ``finish`` (after the script's exit, off the user's
         # path).  Not with a TPU session: its events are numbered after the host's.
-        deferred = bool(self._ctx.options.get("defer_analysis")) and self._tpu is None
+        deferred = self._ctx.can_defer and self._tpu is None
         try:
             self._stop_session(analyse=not deferred)
             if self._tpu is not None:
@@ -156,15 +156,8 @@ class TraceCollector:
             self._ctx.note(NO_EVENTS)
         self._ctx.metadata["trace_files"] = [str(p) for p in self._chunks]
 
-    @staticmethod
-    def finish(ctx: CaptureContext) -> None:
-        """The deferred analysis of the last chunk (``stop`` left it in ``trace/deferred.json``), in any process."""
-        import json
-
-        pending = ctx.run_dir / "trace" / DEFERRED_CHUNK
-        if not pending.exists():
-            return
-        job = json.loads(pending.read_text())
+    def finish(self, ctx: CaptureContext, job: dict[str, Any]) -> None:
+        """The deferred analysis of the last chunk (the job ``stop`` left with ``ctx.defer``), in any process."""
         path = Path(job["path"])
         # Parts named after the chunk: a finish retried after its process died rewrites them, never duplicates.
         events, _steps = _analyse_chunk(
@@ -172,7 +165,6 @@ class TraceCollector:
         )
         if job["first_event_id"] + events == 0:
             ctx.note(NO_EVENTS)
-        pending.unlink()
 
     # -- profiler sessions ------------------------------------------------------------------------------------
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -305,8 +297,6 @@ class TraceCollector:
         self._steps_done += steps
 
     def _defer_chunk(self, path: Path) -> None:
-        import json
-
         assert self._ctx is not None
         job = {
             "path": str(path),
@@ -316,14 +306,10 @@ class TraceCollector:
             "roots": self._root_inputs[self._roots_done :],
         }
         self._roots_done = len(self._root_inputs)
-        from tpudiag.atomic_file import atomic_file
-
-        with atomic_file(path.parent / DEFERRED_CHUNK, "w") as fh:
-            json.dump(job, fh)
+        self._ctx.defer(self, job)
 
 
 NO_EVENTS = "the trace collector recorded no events"
-DEFERRED_CHUNK = "deferred.json"
 
 
 def _analyse_chunk(
@@ -336,12 +322,12 @@ def _analyse_chunk(
     part: str | None = None,
 ) -> tuple[int, int]:
     """Analyse one Chrome trace chunk into the spool (trace_events, steps); how many events and steps it held."""
-    from tpudiag.traces import kineto
+    from tpudiag.traces import kineto, kineto_tables
 
     trace = kineto.load(path)
     if len(trace) == 0:
         return 0, 0
-    tables = kineto.to_tables(
+    tables = kineto_tables.to_tables(
         trace,
         run_id=ctx.run_id,
         first_event_id=first_event_id,
@@ -351,5 +337,5 @@ def _analyse_chunk(
         root_inputs=roots,
     )
     ctx.spool.write_table("trace_events", tables.events, part=part)
-    ctx.spool.write_table("steps", kineto.steps_table(tables.steps, ctx.run_id), part=part)
+    ctx.spool.write_table("steps", kineto_tables.steps_table(tables.steps, ctx.run_id), part=part)
     return len(trace), len(tables.steps)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from tpudiag.comparison.snapshot import Snapshot
 from tpudiag.model import Run, Step, TraceEvent, arrow_schema, records_to_arrow
 from tpudiag.spool import Spool
 from tpudiag.store import Store
@@ -78,3 +79,41 @@ def store_with(store: Store, run: Run, tables: dict[type[Any], list[Any]]) -> No
 
 def empty_table(cls: type[Any]) -> pa.Table:
     return arrow_schema(cls).empty_table()
+
+
+def make_snapshot(
+    step_s: float = 0.05,
+    steps: int = 40,
+    shapes: tuple[list[list[int]], ...] = ([[4, 8]],),
+    recompiles: list[dict[str, Any]] | None = None,
+    **run: Any,
+) -> Snapshot:
+    """A run reduced for comparison: ``steps`` optimizer steps of about ``step_s`` seconds (±2%) whose model inputs
+    have the shapes of ``shapes`` (one entry a step, cycled), and a compile section with ``recompiles`` (events as
+    ``comparison.source`` builds them: function, file, line, reason, step_index)."""
+    events = list(recompiles or [])
+    return Snapshot(
+        run={"id": run.pop("id", "snap"), "name": run.pop("name", "snap"), "script": "train.py", "argv": [], **run},
+        steps=[
+            {
+                "step": i,
+                "dur_ns": int(step_s * (0.98 + 0.01 * (i % 5)) * 1e9),
+                "kind": "optimizer",
+                "input_shapes": json.dumps(shapes[i % len(shapes)]),
+            }
+            for i in range(steps)
+        ],
+        time_source="host",
+        numerics=[],
+        compile={
+            "compiles": 1 + len(events),
+            "recompiles": len(events),
+            "graph_breaks": 0,
+            "cache_hits": 0,
+            "cache_misses": 1 + len(events),
+            "compile_time_s": 0.5,
+            "recompile_reasons": sorted({str(e.get("reason")) for e in events}),
+            "recompile_events": events,
+            "graph_break_sites": [],
+        },
+    )

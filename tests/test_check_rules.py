@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tpudiag.comparison import ci_output, rules
-from tpudiag.comparison.compare import Finding
+from tests.factories import make_snapshot
+from tpudiag.cli import main
+from tpudiag.comparison import ci_output, rules, snapshot
+from tpudiag.comparison.compare import Finding, compare
+from tpudiag.comparison.snapshot import Snapshot
 from tpudiag.errors import UsageError
 
 
@@ -159,3 +165,136 @@ def test_junit_xml_counts() -> None:
     assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("3", "1", "1")
     case = root.find("testcase[@name='b <&>']")
     assert case is not None and case.find("failure").get("message") == "allowed 0, seen 1"  # type: ignore[union-attr]
+
+
+# -- runs whose input shapes differ: counts still gate, timings are inconclusive -----------------------------------
+RECOMPILE = {
+    "function": "forward",
+    "file": "train.py",
+    "line": 12,
+    "reason": "tensor 'x' size mismatch at index 1. expected 8, actual 12",
+    "step_index": 4,
+    "failed": False,
+}
+SEQ_8 = ([[2, 8, 16]],)
+SEQ_8_12 = ([[2, 8, 16]], [[2, 12, 16]])  # variable sequence length: the run that recompiles
+
+
+def _compared(a: Snapshot, b: Snapshot) -> dict[str, Any]:
+    return compare(a, b)
+
+
+def test_only_timing_problems_are_listed_as_timing_problems() -> None:
+    base = make_snapshot(shapes=SEQ_8)
+    comp = _compared(base, make_snapshot(shapes=SEQ_8_12))["comparable"]
+    assert (
+        comp["problems"] == comp["timing_problems"] == ["input shapes differ: step and op times measure different work"]
+    )
+    other = _compared(base, make_snapshot(shapes=SEQ_8_12, script="other.py"))["comparable"]
+    assert other["problems"][0].startswith("script differs") and other["timing_problems"] == other["problems"][1:]
+    same = _compared(base, make_snapshot(shapes=SEQ_8))["comparable"]
+    assert same["ok"] and same["problems"] == same["timing_problems"] == []
+
+
+def test_shapes_differ_count_rules_decide_timing_rules_are_inconclusive() -> None:
+    config = rules.Config(
+        [
+            rules.Rule("compile.recompiles_after_warmup", max_increase=0),
+            rules.Rule("steps.steady", max_ratio=1.10, floor=5e-5),
+            rules.Rule("compile.compile_time", max_ratio=1.5),
+            rules.Rule("ops.time", max_ratio=1.10),
+        ]
+    )
+    # B: the sequence length varies, a recompile after warm-up, and steps twice as long (more work, not slower code).
+    result = _compared(make_snapshot(shapes=SEQ_8), make_snapshot(0.1, shapes=SEQ_8_12, recompiles=[RECOMPILE]))
+    by = {o.rule.metric: o for o in rules.evaluate(config, result, has_baseline=True)}
+    rec = by["compile.recompiles_after_warmup"]
+    assert rec.status == "fail" and rec.seen == "1 (baseline 0)"
+    assert rec.where == f"forward at train.py:12: {RECOMPILE['reason']}" and (rec.file, rec.line) == ("train.py", 12)
+    steady = by["steps.steady"]
+    assert steady.status == "inconclusive" and steady.reason is not None
+    assert steady.reason.startswith("input shapes differ: step and op times measure different work")
+    assert "--allow-mismatch" in steady.reason and "×2" in steady.seen  # what was measured is still shown
+    assert "inconclusive: input shapes differ" in steady.message and steady.severity == "warning"
+    assert steady.to_dict()["reason"] == steady.reason and steady.to_dict()["status"] == "inconclusive"
+    assert by["compile.compile_time"].status == "inconclusive"
+    assert by["ops.time"].status == "inconclusive"  # no ops in these snapshots: not even a pass
+    # --allow-mismatch: timing rules are applied as they are when the shapes match.
+    allowed = {o.rule.metric: o for o in rules.evaluate(config, result, True, allow_mismatch=True)}
+    assert allowed["steps.steady"].status == "fail" and allowed["steps.steady"].reason is None
+    assert allowed["compile.compile_time"].status == "pass"
+    assert allowed["compile.recompiles_after_warmup"].status == "fail"
+    # The same shapes and the same B: the timing rule decides (fails) by itself.
+    same = _compared(make_snapshot(shapes=SEQ_8), make_snapshot(0.1, shapes=SEQ_8, recompiles=[RECOMPILE]))
+    by_same = {o.rule.metric: o for o in rules.evaluate(config, same, has_baseline=True)}
+    assert by_same["steps.steady"].status == "fail"
+    # A run without a recompile after warm-up (the first step's compile is warm-up) passes the count rule.
+    early = dict(RECOMPILE, step_index=0)
+    quiet = _compared(make_snapshot(shapes=SEQ_8), make_snapshot(shapes=SEQ_8_12, recompiles=[early]))
+    by_quiet = {o.rule.metric: o for o in rules.evaluate(config, quiet, has_baseline=True)}
+    assert by_quiet["compile.recompiles_after_warmup"].status == "pass"
+    assert by_quiet["steps.steady"].status == "inconclusive"
+
+
+def _check(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)  # no ./pyproject.toml: the default rules
+        mp.delenv("GITHUB_STEP_SUMMARY", raising=False)
+        for k, v in (env or {}).items():
+            mp.setenv(k, v)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["check", *args, "--db", str(tmp_path / "store.duckdb")])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_check_cli_gates_counts_when_shapes_differ(tmp_path: Path) -> None:
+    base, run, calm, other = (tmp_path / f"{n}.json" for n in ("base", "run", "calm", "other"))
+    snapshot.save(make_snapshot(name="base", shapes=SEQ_8), base)
+    snapshot.save(make_snapshot(0.1, name="run", shapes=SEQ_8_12, recompiles=[RECOMPILE]), run)
+    snapshot.save(make_snapshot(name="calm", shapes=SEQ_8_12), calm)
+    snapshot.save(make_snapshot(name="other", shapes=SEQ_8, script="other.py"), other)
+
+    code, out, err = _check(tmp_path, str(run), "--baseline", str(base))
+    assert code == 1, out + err
+    lines = out.splitlines()
+    (fail,) = [ln for ln in lines if ln.startswith("FAIL")]
+    assert "compile.recompiles_after_warmup" in fail and "size mismatch at index 1" in fail
+    (undecided,) = [ln for ln in lines if ln.startswith("INCONCLUSIVE")]
+    assert "steps.steady" in undecided and "inconclusive: input shapes differ" in undecided
+    assert "FAILED (1 fail, 1 inconclusive, 2 pass, 0 skipped" in lines[-1]
+
+    # No count rule fails: the gate says it could not decide on timing (3), never "not comparable" (2).
+    code, out, _ = _check(tmp_path, str(calm), "--baseline", str(base))
+    assert code == 3 and "INCONCLUSIVE (0 fail, 1 inconclusive, 3 pass" in out.splitlines()[-1]
+
+    code, out, _ = _check(tmp_path, str(run), "--baseline", str(base), "--json")
+    data = json.loads(out)
+    assert code == 1 and data["verdict"] == "failed"
+    assert data["timing_not_comparable"] == ["input shapes differ: step and op times measure different work"]
+    by = {o["metric"]: o for o in data["outcomes"]}
+    assert by["steps.steady"]["status"] == "inconclusive" and "input shapes differ" in by["steps.steady"]["reason"]
+    assert (
+        by["compile.recompiles_after_warmup"]["status"] == "fail"
+        and by["compile.recompiles_after_warmup"]["reason"] is None
+    )
+
+    summary = tmp_path / "summary.md"
+    code, out, _ = _check(
+        tmp_path, str(run), "--baseline", str(base), "--format", "github", env={"GITHUB_STEP_SUMMARY": str(summary)}
+    )
+    warning = next(ln for ln in out.splitlines() if ln.startswith("::warning "))
+    assert "title=steps.steady inconclusive::" in warning and "inconclusive: input shapes differ" in warning
+    assert next(ln for ln in out.splitlines() if ln.startswith("::error ")).startswith("::error file=train.py,line=12,")
+    md = summary.read_text()
+    assert "**Inconclusive**: steps.steady: input shapes differ" in md
+    assert "| inconclusive | steps.steady |" in md and "| fail | compile.recompiles_after_warmup |" in md
+
+    # --allow-mismatch times them anyway: twice as long a step fails the timing rule too.
+    code, out, _ = _check(tmp_path, str(run), "--baseline", str(base), "--allow-mismatch", "--json")
+    by = {o["metric"]: o for o in json.loads(out)["outcomes"]}
+    assert code == 1 and by["steps.steady"]["status"] == "fail"
+
+    # Another script is still not comparable at all.
+    code, _, err = _check(tmp_path, str(other), "--baseline", str(base))
+    assert code == 2 and "runs not comparable: script differs" in err and err.count("\n") == 1

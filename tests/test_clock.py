@@ -15,7 +15,8 @@ from tpudiag.clock import FakeClock
 DRIVER = textwrap.dedent("""
     import builtins, json, sys
     from pathlib import Path
-    from tpudiag.capture import CaptureOptions, capture
+    from tpudiag.capture_options import CaptureOptions
+    from tpudiag.script_capture import capture_script as capture
     from tpudiag.clock import FakeClock
     from tpudiag.runner import Target
     from tpudiag.store import Store, queries

@@ -19,9 +19,11 @@ import pytest
 
 from tests.conftest import run_tpudiag
 from tpudiag import deferred_store
-from tpudiag.capture import CaptureOptions, capture
+from tpudiag.capture_options import CaptureOptions
 from tpudiag.runner import Target
-from tpudiag.store import Store
+from tpudiag.script_capture import capture_script as capture
+from tpudiag.store import Store, pending
+from tpudiag.store_access import open_store
 
 STEPS = 4
 SCRIPT = f"""
@@ -44,7 +46,7 @@ def _script(tmp_path: Path) -> Path:
 
 
 def _stored(db: Path, run_id: str) -> dict[str, Any]:
-    with Store(db).reader() as con:
+    with open_store(db).reader() as con:
         (status, exit_code, notes) = con.execute(
             "SELECT status, exit_code, notes FROM runs WHERE id = ?", [run_id]
         ).fetchone()  # type: ignore[misc]
@@ -84,7 +86,7 @@ def test_detached_store_write_gives_the_same_run_as_waiting_for_it(tmp_path: Pat
     assert got["steps"] == want["steps"] == STEPS
     assert got["ops"] == want["ops"] and {"aten::addmm", "aten::tanh"} <= {n for n, _ in got["ops"]}
     run_dir = Store(db).run_dir(run_id)
-    assert not deferred_store.is_pending(Store(db), run_id)
+    assert not pending.is_pending(Store(db), run_id)
     assert not (run_dir / deferred_store.RUN_FILE).exists() and not (run_dir / deferred_store.LOG_FILE).exists()
     assert not (run_dir / "trace" / "deferred.json").exists() and not (run_dir / "spool").exists()
 
@@ -119,13 +121,13 @@ def orphaned_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path,
         pass
     result = capture(Target("script", str(_script(tmp_path)), ()), CaptureOptions(db=db, collect=["trace"]))
     assert result.exit_code == 0 and not result.stored
-    assert deferred_store.is_pending(Store(db), result.run_id)
+    assert pending.is_pending(Store(db), result.run_id)
     return db, result.run_id
 
 
 def test_a_reader_waits_for_the_child_then_stores_a_run_whose_child_is_gone(orphaned_run: tuple[Path, str]) -> None:
     db, run_id = orphaned_run
-    marker = deferred_store.pending_dir(Store(db)) / run_id
+    marker = pending.pending_dir(Store(db)) / run_id
     fd = os.open(marker, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a child at work
     try:
@@ -152,7 +154,7 @@ def test_a_pending_run_of_a_dead_capture_is_stored_not_marked_interrupted(orphan
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     store = Store(db)
     # Registered at a flush by a capture process that is gone now, as after any detached capture.
-    final = deferred_store.read_run_file(store.run_dir(run_id))
+    final, _jobs = deferred_store.read_run_file(store.run_dir(run_id))
     store.put_run(dataclasses.replace(final, status="running", exit_code=None, pid=int(dead.stdout)))
     with store.reader(settle=False) as con:
         assert con.execute("SELECT status FROM runs WHERE id = ?", [run_id]).fetchall() == [("running",)]
@@ -170,23 +172,21 @@ def test_a_run_that_cannot_be_stored_is_one_warning_and_its_files_stay(orphaned_
     warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("tpudiag:")]
     assert len(warnings) == 1 and f"run {run_id} could not be stored yet" in warnings[0], proc.stderr
     assert "Traceback" not in proc.stderr
-    assert deferred_store.is_pending(store, run_id) and (store.run_dir(run_id) / "trace" / "deferred.json").exists()
+    assert pending.is_pending(store, run_id) and (store.run_dir(run_id) / deferred_store.RUN_FILE).exists()
 
 
 def test_a_store_write_retried_after_its_child_died_mid_way_stores_each_row_once(
     orphaned_run: tuple[Path, str],
 ) -> None:
-    from tpudiag.collectors.trace import DEFERRED_CHUNK, TraceCollector
-    from tpudiag.plugins import CaptureContext
+    from tpudiag.plugins import CaptureContext, run_job
     from tpudiag.spool import Spool
 
     db, run_id = orphaned_run
     run_dir = Store(db).run_dir(run_id)
-    job = run_dir / "trace" / DEFERRED_CHUNK
-    saved = job.read_text()
+    _run, jobs = deferred_store.read_run_file(run_dir)
+    assert [j.collector for j in jobs] == ["trace"]  # the last chunk's analysis, declared in run.json
     # The child analysed the last chunk into the spool and died before it could say so.
-    TraceCollector.finish(CaptureContext(run_id=run_id, run_dir=run_dir, spool=Spool(run_dir / "spool")))
-    job.write_text(saved)
+    run_job(jobs[0], CaptureContext(run_id=run_id, run_dir=run_dir, spool=Spool(run_dir / "spool")))
     assert run_tpudiag("runs", "--db", str(db)).returncode == 0  # another process's reader runs the finish again
     got = _stored(db, run_id)
     assert got["status"] == "ok" and got["steps"] == STEPS

@@ -136,6 +136,8 @@ def test_job_output_and_exit_status_unchanged(ddp_job: dict[str, Any]) -> None:
 def test_one_run_with_every_rank(ddp_job: dict[str, Any]) -> None:
     report = ddp_job["report"]
     assert report["run"]["status"] == "ok"
+    # The launcher's record is built by the same session as any capture's: the active precision is recorded.
+    assert report["run"]["precision"].get("float32_matmul_precision") == "highest"
     dist = report["distributed"]
     assert dist["world_size"] == 2
     assert dist["backend"] == "gloo"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pyarrow as pa
 import pytest
@@ -13,7 +15,7 @@ from tests.factories import make_run
 from tpudiag.distributed import merge, report_section
 from tpudiag.distributed.records import Fingerprint, RankInfo
 from tpudiag.distributed.shards import ShardSpool
-from tpudiag.model import OpDiff, OpRecord, Step, TraceEvent, arrow_schema
+from tpudiag.model import OpDiff, OpRecord, Step, TraceEvent, arrow_schema, register_table
 from tpudiag.store import Store
 
 MAIN = Path(__file__).resolve().parents[1] / "app" / "main.py"
@@ -198,3 +200,44 @@ def test_per_rank_sql_agrees_with_the_pure_functions(tmp_path: Path) -> None:
     assert analysis.rank_divergence(divergent, all_ranks=seen) == analysis.rank_divergence(prints)
     assert len(divergent) < len(prints)  # the cells where every rank agrees (steps 0-3) stay in the database
     assert analysis.rank_divergence(divergent, all_ranks=seen)["reference_ranks"] == [0, 2]  # type: ignore[index]
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """A collector-declared record type (as a plugin's ``Collector.tables`` would list it)."""
+
+    TABLE: ClassVar[str] = "test_memory_samples"
+
+    run_id: str
+    step: int
+    bytes_in_use: int
+
+
+def test_a_collector_declared_table_is_sharded_and_merged_into_the_run(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    run = make_run(artifacts_dir=None)
+    run_dir = store.run_dir(run.id)
+    unregistered = ShardSpool(run_dir / "shards", run_dir / "staging", run.id, 0, 0)
+    with pytest.raises(ValueError, match="unknown table 'test_memory_samples'"):
+        unregistered.write_records(MemorySample, [MemorySample(run.id, 0, 1)])
+    register_table(MemorySample)
+    for attempt in (0, 1):  # a torchelastic restart: the run's table keeps the last attempt, every rank
+        for rank in range(2):
+            spool = ShardSpool(run_dir / "shards", run_dir / "staging", run.id, rank, attempt)
+            spool.write_records(MemorySample, [MemorySample(run.id, s, 1000 * (attempt + 1) + rank) for s in range(3)])
+            spool.write_records(RankInfo, [RankInfo(run.id, rank, restart=attempt, world_size=2, status="ok")])
+    store.put_run(run)
+    for _ in range(2):  # a second merge (another node finishing later) replaces, never duplicates
+        with store.writer() as w:
+            store.put_run(merge.finish(store, run, run_dir, con=w), con=w)
+    with store.reader() as con:
+        rows = con.execute(
+            "SELECT rank, count(*), min(bytes_in_use) FROM test_memory_samples WHERE run_id = ? GROUP BY rank "
+            "ORDER BY rank",
+            [run.id],
+        ).fetchall()
+    assert rows == [(0, 3, 2000), (1, 3, 2001)]
+    with pytest.raises(ValueError, match="taken"):
+        register_table(
+            dataclass(frozen=True)(type("Clash", (), {"TABLE": "steps", "__annotations__": {"run_id": str}}))
+        )

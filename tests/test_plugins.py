@@ -8,17 +8,34 @@ import json
 import textwrap
 from pathlib import Path
 
+import duckdb
+
 from tests.conftest import EXAMPLES, run_tpudiag
 
 PLUGIN = textwrap.dedent('''
     """A third-party collector and exporter, as another package would ship them."""
     import threading
+    from dataclasses import dataclass
+    from typing import ClassVar
 
     from tpudiag.store import queries
 
 
+    @dataclass(frozen=True)
+    class AcmeSample:
+        """A record type of the collector's own table."""
+
+        TABLE: ClassVar[str] = "acme_samples"
+
+        run_id: str
+        phase: str
+        value: float
+
+
     class AcmeCollector:
         name = "acme"
+        description = "a third-party collector with a table of its own"
+        tables = (AcmeSample,)
 
         def is_available(self):
             return True
@@ -40,6 +57,14 @@ PLUGIN = textwrap.dedent('''
 
         def stop(self):
             self.ctx.note(f"acme collector: profiler on at start {self.profiler_on}, run {self.ctx.run_id}")
+            self.ctx.spool.write_records(AcmeSample, [AcmeSample(self.ctx.run_id, "stop", 1.0)])
+            # Work for after the script's exit: in the detached store write, or here when the run is stored now.
+            if not self.ctx.defer(self, {"value": 2.5}):
+                self.finish(self.ctx, {"value": 2.5, "here": True})
+
+        def finish(self, ctx, args):
+            phase = "stop-inline" if args.get("here") else "deferred"
+            ctx.spool.write_records(AcmeSample, [AcmeSample(ctx.run_id, phase, args["value"])])
 
 
     class Hijack:
@@ -111,6 +136,22 @@ def test_a_third_party_collector_and_exporter_are_loaded_and_used(tmp_path: Path
     assert run["collectors"] == ["trace", "acme"]  # built-ins start first whatever order they are named in
     assert f"acme collector: profiler on at start True, run {run['id']}" in run["notes"]
     assert f"note: acme collector: profiler on at start True, run {run['id']}" in proc.stderr
+    # Its own table: spooled, created in the store from its declared schema; its deferred job ran in the child
+    # that stored the run (declared in run.json, not looked up by name).
+    with duckdb.connect(str(db), read_only=True) as con:
+        rows = con.execute("SELECT run_id, phase, value FROM acme_samples ORDER BY phase").fetchall()
+        types = dict(con.execute("SELECT column_name, data_type FROM information_schema.columns "
+                                 "WHERE table_name = 'acme_samples'").fetchall())  # fmt: skip
+    assert rows == [(run["id"], "deferred", 2.5), (run["id"], "stop", 1.0)]
+    assert types == {"run_id": "VARCHAR", "phase": "VARCHAR", "value": "DOUBLE"}
+    # Stored in this process (--wait): the collector is told it cannot defer and does the work in stop.
+    waited = run_tpudiag(
+        "capture", "--db", str(db), "--wait", "--collect", "acme", str(script), "--epochs", "1", cwd=tmp_path, env=env
+    )
+    assert waited.returncode == 0, waited.stderr
+    with duckdb.connect(str(db), read_only=True) as con:
+        phases = con.execute("SELECT phase FROM acme_samples WHERE run_id <> ? ORDER BY phase", [run["id"]]).fetchall()
+    assert phases == [("stop",), ("stop-inline",)]
 
     # Every available collector by default: the built-ins (never the hijacked one) and the plugin.
     listed = run_tpudiag("capture", "--db", str(db), "--collect", "nope", str(script), cwd=tmp_path, env=env)
@@ -122,7 +163,7 @@ def test_a_third_party_collector_and_exporter_are_loaded_and_used(tmp_path: Path
     assert exp.stdout.strip() == str(out / "acme.txt")
     lines = (out / "acme.txt").read_text().splitlines()
     assert lines[0] == run["id"]
-    top = run_tpudiag("report", "--db", str(db), "--json", "--top", "1000", cwd=tmp_path, env=env)
+    top = run_tpudiag("report", "--db", str(db), "--json", "--top", "1000", run["id"], cwd=tmp_path, env=env)
     expected = sorted(f"{o['name']}\t{o['module']}\t{o['calls']}" for o in json.loads(top.stdout)["slow_ops"])
     assert lines[1:] == expected and len(expected) > 5
     # The third-party "parquet" entry cannot replace the built-in exporter.

@@ -11,8 +11,9 @@ import pytest
 
 from tests.conftest import EXAMPLES, run_tpudiag
 from tpudiag import report
-from tpudiag.capture import CaptureOptions, capture
+from tpudiag.capture_options import CaptureOptions
 from tpudiag.runner import Target
+from tpudiag.script_capture import capture_script as capture
 from tpudiag.store import Store, queries
 
 

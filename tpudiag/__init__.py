@@ -1,5 +1,33 @@
-"""tpudiag: which ops are slow, which ops give different numbers than a CPU reference, and what recompiles."""
+"""tpudiag: which ops are slow, which ops give different numbers than a CPU reference, and what recompiles.
+
+Public Python API (``tpudiag.api``, loaded on first use so ``import tpudiag`` stays cheap):
+``tpudiag.capture(...)`` as a context manager or decorator; ``%load_ext tpudiag`` in IPython/Jupyter for the
+``%%tpudiag`` cell magic (``tpudiag.notebook``).
+"""
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING, Any
+
+from tpudiag.version import __version__
+
+if TYPE_CHECKING:
+    from tpudiag.api import Capture, CapturedRun, capture
+
+__all__ = ["Capture", "CapturedRun", "__version__", "capture", "load_ipython_extension"]
+_API = ("capture", "Capture", "CapturedRun")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        from tpudiag import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'tpudiag' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext tpudiag``: the ``%%tpudiag`` cell magic."""
+    from tpudiag.notebook import load_ipython_extension as load
+
+    load(ipython)

@@ -1,93 +1,96 @@
-"""Capture a block of code in this process (the pytest plugin's capture; ``tpudiag capture`` runs whole scripts).
+"""The in-process driver: a block of code in this process under the capture session (``tpudiag.capture``, the
+notebook magic and the pytest plugin all go through it; ``tpudiag capture`` runs whole scripts).
 
-    with capture_block(Store(path), "test_model") as cap:
-        model(x)
-    cap.run_id  # stored, finished run
+    block = BlockCapture(store, "train")
+    block.start()
+    try:
+        ...                        # the user's code, unchanged
+    except BaseException as exc:
+        block.stop(exc)            # stored as failed (or interrupted), the error in its notes; the caller re-raises
+        raise
+    block.stop(None)
 
-The collectors are the same as ``tpudiag capture``'s and the run lands in the store the same way (spool, then one
-short write).  Collector failures become notes on the run, never exceptions in the caller's code.
+What differs from a script: no runpy (the code is the caller's), the run is stored before ``stop`` returns
+(``sinks.StoreNow``: a notebook reads it at once), and the outcome comes from the exception the block raised.
+DuckDB is not opened before the block: the run is registered at the first flush or by the final store write.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from tpudiag import environment, internal_errors
-from tpudiag.clock import SystemClock
-from tpudiag.plugins import CaptureContext, load_collectors
-from tpudiag.run_setup import RunStart, begin_run, start_collectors
+from tpudiag import runner
+from tpudiag.clock import Clock, SystemClock
+from tpudiag.model import Run
+from tpudiag.plugins import load_collectors
+from tpudiag.run_setup import RunStart, prepare_run
+from tpudiag.session import CaptureSession, Delivered
+from tpudiag.sinks import StoreNow
 from tpudiag.spool import Spool
 from tpudiag.store import Store
 
 
-@dataclass
+def outcome_of(exc: BaseException | None) -> runner.Outcome:
+    """How a block ended, as a script's outcome: its exception (None: it returned) as status and exit code."""
+    if exc is None:
+        return runner.Outcome(0, "ok")
+    if isinstance(exc, KeyboardInterrupt):
+        return runner.Outcome(130, "interrupted", "KeyboardInterrupt")
+    if isinstance(exc, SystemExit):
+        code = runner._exit_code_of(exc)
+        return runner.Outcome(code, "ok" if code == 0 else "failed", None if code == 0 else f"SystemExit({exc.code!r})")
+    return runner.Outcome(1, "failed", f"{type(exc).__name__}: {exc}")
+
+
 class BlockCapture:
-    store: Store
-    run_id: str
-    notes: list[str] = field(default_factory=list)
-    finished: bool = False
-    _stop: Any = None
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        collect: list[str] | None = None,
+        options: dict[str, Any] | None = None,
+        script: str | None = None,
+        clock: Clock | None = None,
+        flush_s: float = 10.0,
+    ) -> None:
+        self.store, self.name = store, name
+        self.clock = clock or SystemClock()
+        self._collect, self._options, self._script, self._flush_s = collect, dict(options or {}), script, flush_s
+        self.session: CaptureSession | None = None
+        self.delivered: Delivered | None = None
 
-    def stop(self) -> None:
-        """Stop collecting and store the run (idempotent)."""
-        if not self.finished and self._stop is not None:
-            self._stop("ok", 0)
+    @property
+    def run_id(self) -> str:
+        assert self.session is not None, "start() first"
+        return self.session.run.id
 
+    @property
+    def finished(self) -> bool:
+        return self.delivered is not None
 
-@contextlib.contextmanager
-def capture_block(
-    store: Store,
-    name: str,
-    collect: list[str] | None = None,
-    options: dict[str, Any] | None = None,
-    script: str | None = None,
-) -> Iterator[BlockCapture]:
-    clock = SystemClock()
-    collectors = load_collectors(collect)
-    run, run_dir = begin_run(store, clock, RunStart(name, script or name), collectors)
-    run_id = run.id
-    spool = Spool(run_dir / "spool")
-    errors = internal_errors.begin(run_dir)
-    ctx = CaptureContext(run_id=run_id, run_dir=run_dir, spool=spool, options=dict(options or {}), clock=clock)
-    active = start_collectors(collectors, ctx)
-    t0 = clock.monotonic()
-    handle = BlockCapture(store, run_id, ctx.notes)
+    @property
+    def notes(self) -> list[str]:
+        return self.session.ctx.notes if self.session is not None else []
 
-    def finish(status: str, exit_code: int) -> None:
-        handle.finished = True
-        duration = clock.monotonic() - t0
-        for c in reversed(active):
-            try:
-                c.stop()
-            except Exception as err:
-                ctx.note(f"collector {c.name} failed while stopping: {err}")
-        kind, device_name = environment.device()
-        final = dataclasses.replace(
-            run,
-            status=status,
-            exit_code=exit_code,
-            duration_s=round(duration, 6),
-            torch_version=environment.torch_version(),
-            device_kind=kind,
-            device_name=device_name,
-            precision={**environment.precision(), **ctx.metadata.get("precision", {})},
-            notes=([f"{internal_errors.NOTE_PREFIX} {line}"] if (line := errors.closing_line()) else [])
-            + list(ctx.notes),
-        )
-        store.store_finished(final, spool.directory)
+    def start(self) -> None:
+        """Collectors started around what follows; raises only for bad options (unknown collector, bad store)."""
+        with runner.signals_to_main_thread():
+            self.store.check_file()
+            collectors = load_collectors(self._collect)
+            start = RunStart(self.name, self._script or self.name, (), Path.cwd())
+            run, run_dir = prepare_run(self.store, self.clock, start, collectors)
+            self.session = CaptureSession(
+                run, run_dir, Spool(run_dir / "spool"), collectors, StoreNow(self.store),
+                options=self._options, clock=self.clock, flush_s=self._flush_s, ended_with="block",
+            )  # fmt: skip
+            self.session.start()
 
-    handle._stop = finish
-    try:
-        yield handle
-    except BaseException:
-        if not handle.finished:
-            finish("failed", 1)
-        raise
-    if not handle.finished:
-        finish("ok", 0)
-    sys.stderr.flush()
+    def stop(self, exc: BaseException | None) -> Run:
+        """Stop collecting and store the run (idempotent); the stored record."""
+        assert self.session is not None, "start() first"
+        if self.delivered is None:
+            self.delivered = self.session.deliver(self.session.stop(outcome_of(exc)))
+            sys.stderr.flush()
+        return self.delivered.run

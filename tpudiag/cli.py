@@ -69,7 +69,8 @@ def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
     from tpudiag.runner import Target, signals_to_main_thread
 
     with signals_to_main_thread():  # numpy's and Arrow's worker threads start at import
-        from tpudiag.capture import CaptureOptions, run_capture_cli
+        from tpudiag.capture_options import CaptureOptions
+        from tpudiag.script_capture import run_capture_cli
         from tpudiag.store import resolve_db_path
 
     if not rest:
@@ -104,9 +105,10 @@ def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
 def cmd_runs(args: argparse.Namespace, rest: list[str]) -> int:
     from tpudiag.report import run_summary
     from tpudiag.report import table as text_table
-    from tpudiag.store import Store, queries, resolve_db_path
+    from tpudiag.store import queries
+    from tpudiag.store_access import open_store
 
-    store = Store(resolve_db_path(args.db))
+    store = open_store(args.db)
     store.recover_stale_runs()
     runs = queries.list_runs(store)
     if args.json:
@@ -133,9 +135,10 @@ def cmd_runs(args: argparse.Namespace, rest: list[str]) -> int:
 
 def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
     from tpudiag import report
-    from tpudiag.store import Store, queries, resolve_db_path
+    from tpudiag.store import queries
+    from tpudiag.store_access import open_store
 
-    store = Store(resolve_db_path(args.db))
+    store = open_store(args.db)
     store.recover_stale_runs()
     run = queries.resolve_run(store, args.run)
     data = report.build(store, run, top=args.top)

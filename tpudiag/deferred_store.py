@@ -6,9 +6,12 @@ it to a detached child process and exits at once:
 
 - the final record goes to ``<run dir>/run.json``, then a marker ``<runs dir>/.pending/<run id>`` is created and
   locked (``flock``); the child inherits the locked descriptor, finishes the run, removes the marker and exits;
-- every reader (``Store.reader``) settles pending runs first: it waits while a marker is locked, and finishes a run
-  itself when its marker is unlocked (the child died or never started), so no command ever reads a half-stored run
-  and no run is lost;
+- ``run.json`` holds the final record and the collectors' deferred jobs (``plugins.DeferredJob``: a factory spec
+  and JSON arguments), which the child runs before it loads the spool;
+- every reader (``Store.reader``) settles pending runs first (``store/pending.py``): it waits while a marker is
+  locked, and finishes a run itself (``finish``, handed to every store by ``store_access.open_store``) when its
+  marker is unlocked (the child died or never started), so no command ever reads a half-stored run and no run is
+  lost;
 - a run whose child failed keeps its marker and its files; the next reader tries again and says why it could not.
 """
 
@@ -22,42 +25,37 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tpudiag.atomic_file import atomic_file
-from tpudiag.errors import StoreLockedError, TpudiagError
+from tpudiag.errors import TpudiagError
 from tpudiag.model import Run
-
-if TYPE_CHECKING:
-    from tpudiag.store import Store
+from tpudiag.plugins import CaptureContext, DeferredJob, run_job
+from tpudiag.spool import Spool
+from tpudiag.store import Store
+from tpudiag.store.pending import LOG_FILE, finishing, is_pending, pending_dir
 
 RUN_FILE = "run.json"
-LOG_FILE = "store.log"
-_WAIT_STEP_S = 0.05
-_finishing: set[str] = set()  # runs this process is finishing: its own readers must not wait for them
-_failed: set[str] = set()  # runs this process could not finish: tried once per process, not at every read
+__all__ = ["LOG_FILE", "RUN_FILE", "finish", "hand_off", "is_pending", "pending_dir", "read_run_file"]
 
 
-def pending_dir(store: Store) -> Path:
-    return store.runs_dir / ".pending"
-
-
-def write_run_file(run_dir: Path, run: Run) -> None:
-    """The run's final record, written atomically (a reader sees all of it or nothing)."""
+def write_run_file(run_dir: Path, run: Run, jobs: Sequence[DeferredJob] = ()) -> None:
+    """The run's final record and deferred jobs, written atomically (a reader sees all of it or nothing)."""
     with atomic_file(run_dir / RUN_FILE, "w") as fh:
-        json.dump(dataclasses.asdict(run), fh)
+        json.dump({"run": dataclasses.asdict(run), "jobs": [j.to_json() for j in jobs]}, fh)
 
 
-def read_run_file(run_dir: Path) -> Run:
+def read_run_file(run_dir: Path) -> tuple[Run, list[DeferredJob]]:
     data = json.loads((run_dir / RUN_FILE).read_text())
     names = {f.name for f in dataclasses.fields(Run)}
-    return Run(**{k: v for k, v in data.items() if k in names})
+    run = Run(**{k: v for k, v in data["run"].items() if k in names})
+    return run, [DeferredJob.from_json(j) for j in data.get("jobs") or []]
 
 
-def hand_off(store: Store, run: Run, run_dir: Path) -> bool:
+def hand_off(store: Store, run: Run, jobs: Sequence[DeferredJob], run_dir: Path) -> bool:
     """Leave ``run`` to a detached child that stores it; False when no child could start (store it yourself)."""
-    write_run_file(run_dir, run)
+    write_run_file(run_dir, run, jobs)
     folder = pending_dir(store)
     folder.mkdir(parents=True, exist_ok=True)
     marker = folder / run.id
@@ -87,25 +85,19 @@ def _start_child(db: Path, run_id: str, fd: int, run_dir: Path) -> None:
 
 
 def finish(store: Store, run_id: str) -> Run:
-    """Store a handed-off run: its collectors' deferred work, then spool and final record in one transaction."""
-    from tpudiag.plugins import CaptureContext, deferred_finishers
-    from tpudiag.spool import Spool
-
+    """Store a handed-off run: its collectors' deferred jobs, then spool and final record in one transaction."""
     run_dir = store.run_dir(run_id)
-    run = read_run_file(run_dir)
+    run, jobs = read_run_file(run_dir)
     spool = Spool(run_dir / "spool")
     ctx = CaptureContext(run_id=run_id, run_dir=run_dir, spool=spool)
-    _finishing.add(run_id)
-    try:
-        for name, work in deferred_finishers(run.collectors):
+    with finishing(run_id):
+        for job in jobs:
             try:
-                work(ctx)
+                run_job(job, ctx)
             except Exception as err:
-                ctx.note(f"collector {name} failed while finishing: {err}")
+                ctx.note(f"collector {job.collector} failed while finishing: {err}")
         run = dataclasses.replace(run, notes=list(run.notes) + [n for n in ctx.notes if n not in run.notes])
         store.store_finished(run, spool.directory)
-    finally:
-        _finishing.discard(run_id)
     with contextlib.suppress(OSError):
         remove_empty_tree(spool.directory)
     with contextlib.suppress(OSError):
@@ -122,69 +114,10 @@ def remove_empty_tree(folder: Path) -> None:
     folder.rmdir()
 
 
-def is_pending(store: Store, run_id: str) -> bool:
-    return (pending_dir(store) / run_id).exists()
-
-
-def settle(store: Store) -> None:
-    """Wait for every run being stored in the background; finish any whose child is gone."""
-    try:
-        names = sorted(os.listdir(pending_dir(store)))
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    for run_id in names:
-        if run_id.startswith(".") or run_id in _finishing or run_id in _failed:
-            continue
-        _settle_one(store, run_id)
-
-
-def _settle_one(store: Store, run_id: str) -> None:
-    marker = pending_dir(store) / run_id
-    try:
-        fd = os.open(marker, os.O_RDWR)
-    except FileNotFoundError:
-        return
-    try:
-        deadline = time.monotonic() + store.lock_timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise StoreLockedError(
-                        f"run {run_id} was still being stored after {store.lock_timeout_s:g} s "
-                        f"(see {store.run_dir(run_id) / LOG_FILE}; set TPUDIAG_LOCK_TIMEOUT to wait longer)"
-                    ) from None
-                time.sleep(_WAIT_STEP_S)
-        if not _same_file(fd, marker):
-            return  # the child finished (and removed the marker) while we waited
-        try:
-            finish(store, run_id)
-        except Exception as err:  # whatever it is, this reader goes on; the run's files stay for the next one
-            _failed.add(run_id)
-            sys.stderr.write(f"tpudiag: warning: run {run_id} could not be stored yet: {err}\n")
-            return
-        marker.unlink(missing_ok=True)
-    finally:
-        os.close(fd)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
-
-
 def main(argv: list[str]) -> int:
     """The child: ``python -m tpudiag.deferred_store DB RUN_ID LOCK_FD`` (the locked marker's descriptor)."""
-    from tpudiag.store import Store
-
     db, run_id, fd = argv[0], argv[1], int(argv[2])
-    store = Store(db)
+    store = Store(db, finisher=finish)
     marker = pending_dir(store) / run_id
     try:
         finish(store, run_id)

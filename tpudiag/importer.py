@@ -20,7 +20,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-import tpudiag
 from tpudiag.clock import SystemClock
 from tpudiag.errors import ImportFormatError, TpudiagError
 from tpudiag.model import CompileEvent, Run
@@ -29,6 +28,7 @@ from tpudiag.run_setup import new_run_id
 from tpudiag.spool import Spool
 from tpudiag.store import Store, bulk_insert
 from tpudiag.traces import detect
+from tpudiag.version import __version__
 
 _RANK_SUFFIX = re.compile(r"_(\d+)$")
 Status = Callable[[str], None]
@@ -85,7 +85,7 @@ def import_paths(
             cwd=str(Path.cwd()),
             duration_s=round(time.time() - started, 6),
             host=socket.gethostname(),
-            tpudiag_version=tpudiag.__version__,
+            tpudiag_version=__version__,
             device_kind=result.device_kind,
             device_name=result.device_name,
             collectors=["import"],
@@ -121,14 +121,14 @@ def _import_one(
 ) -> None:
     kind = detect.detect(path)
     if kind == detect.KINETO:
-        from tpudiag.traces import kineto
+        from tpudiag.traces import kineto, kineto_tables
 
         trace = kineto.load(path, progress=progress, parallel=True)
         if len(trace) == 0:
             raise ImportFormatError(f"{path}: the trace holds no complete events")
         rank = trace.rank if trace.rank is not None else index
-        tables = kineto.to_tables(trace, run_id, rank=rank, first_event_id=result.events)
-        _write(spool, result, tables.events, kineto.steps_table(tables.steps, run_id, rank=rank))
+        tables = kineto_tables.to_tables(trace, run_id, rank=rank, first_event_id=result.events)
+        _write(spool, result, tables.events, kineto_tables.steps_table(tables.steps, run_id, rank=rank))
         result.events += tables.events.num_rows
         props = trace.metadata.get("deviceProperties")
         if pc.any(tables.events.column("on_device")).as_py():
@@ -136,14 +136,14 @@ def _import_one(
             if isinstance(props, list) and props and isinstance(props[0], dict):
                 result.device_name = str(props[0].get("name") or "") or result.device_name
     elif kind == detect.XPLANE:
-        from tpudiag.traces import kineto, xplane
+        from tpudiag.traces import kineto_tables, xplane
 
         m = _RANK_SUFFIX.search(xplane.host_of(path))
         rank = int(m.group(1)) if m else index
         xt = xplane.load(path, run_id, rank=rank, first_event_id=result.events, parallel=True)
         if xt.events.num_rows == 0:
             raise ImportFormatError(f"{path}: the XPlane holds no events")
-        _write(spool, result, xt.events, kineto.steps_table(xt.steps, run_id, rank=rank))
+        _write(spool, result, xt.events, kineto_tables.steps_table(xt.steps, run_id, rank=rank))
         kept = spool.directory.parent / "trace" / f"{index:03d}-{path.name}"
         kept.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, kept)  # beside the run: exporters hand the original to XProf

@@ -9,6 +9,7 @@ parsers) build Arrow columns directly against ``arrow_schema(Cls)`` instead of i
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -199,6 +200,37 @@ class CompileEvent:
 
 RECORD_TYPES: tuple[type[Any], ...] = (Run, TraceEvent, Step, OpRecord, OpDiff, CompileEvent)
 BULK_TABLES: dict[str, type[Any]] = {c.TABLE: c for c in RECORD_TYPES if c is not Run}
+
+# Tables a collector declares (``Collector.tables``): registered when the collector is loaded, so the spool and the
+# rank shards accept them.  The store creates such a table from its first spooled part (not in the schema's DDL:
+# a plugin's table never changes the schema version), and the distributed merge loads it like the built-ins.
+_DECLARED: dict[str, type[Any]] = {}
+_TABLE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+
+
+def register_table(cls: type[Any]) -> None:
+    """Accept ``cls`` (a frozen dataclass with ``TABLE`` and a ``run_id`` field) as a record type of the spool.
+
+    Raises ValueError for a record type that cannot be a table, or a name a different record type already has."""
+    name = getattr(cls, "TABLE", None)
+    if not isinstance(name, str) or not _TABLE_NAME.match(name) or not dataclasses.is_dataclass(cls):
+        raise ValueError(f"{cls.__name__}: a table's record type is a dataclass with TABLE = 'lower_snake_name'")
+    if "run_id" not in {f.name for f in dataclasses.fields(cls)}:
+        raise ValueError(f"{cls.__name__}: a table's record type needs a run_id field")
+    known = BULK_TABLES.get(name) or _DECLARED.get(name)
+    if name == Run.TABLE or name.startswith("dist_") or (known is not None and known is not cls):
+        raise ValueError(f"{cls.__name__}: table name {name!r} is taken")
+    _DECLARED[name] = cls
+
+
+def bulk_tables() -> dict[str, type[Any]]:
+    """Every table a spool accepts: the built-ins, then the ones collectors declared in this process."""
+    return {**BULK_TABLES, **_DECLARED}
+
+
+def is_table_name(name: str) -> bool:
+    """A name safe to use as a table name in SQL (the store checks spool folder names with it)."""
+    return bool(_TABLE_NAME.match(name))
 
 
 def _column_kind(tp: Any) -> str:

@@ -67,25 +67,24 @@ class Handle:
         self.active = active
         self.nodeid = nodeid
         self._config = config
-        self._cm: Any = None
-        self._cap: Any = None
+        self._cm: Any = None  # tpudiag.api.Capture
+        self._cap: Any = None  # tpudiag.api.CapturedRun
         self._snapshot: Any = None
 
-    # -- capture ---------------------------------------------------------------------------------------------
+    # -- capture (the public API: tpudiag.capture) ------------------------------------------------------------
     def start(self) -> None:
         if not self.active or self._cm is not None:
             return
-        from tpudiag.block_capture import capture_block
-        from tpudiag.store import Store
+        from tpudiag.api import Capture
 
-        names = [c.strip() for c in str(self._config.getoption("tpudiag_collect")).split(",") if c.strip()]
-        self._store = Store(_store_path(self._config))
-        self._cm = capture_block(self._store, self.nodeid, names, script=self.nodeid.split("::")[0])
+        collect = str(self._config.getoption("tpudiag_collect"))
+        self._cm = Capture(name=self.nodeid, db=_store_path(self._config), collect=collect)
+        self._store = self._cm.store
         self._cap = self._cm.__enter__()
-        self._config.stash[_RUNS].append(self._cap.run_id)
+        self._config.stash[_RUNS].append(self._cap.id)
 
     def stop(self, failed: bool = False) -> None:
-        if self._cm is None or self._cap.finished:
+        if self._cm is None or self._cap.record is not None:
             return
         if failed:
             self._cm.__exit__(RuntimeError, RuntimeError("test failed"), None)
@@ -94,7 +93,7 @@ class Handle:
 
     @property
     def run_id(self) -> str | None:
-        return self._cap.run_id if self._cap is not None else None
+        return self._cap.id if self._cap is not None else None
 
     def snapshot(self) -> Any:
         """The test's run as a comparison snapshot (ends the capture)."""
@@ -102,7 +101,7 @@ class Handle:
         if self._snapshot is None:
             from tpudiag.comparison.source import snapshot_of
 
-            self._snapshot = snapshot_of(self._store, self._cap.run_id)
+            self._snapshot = snapshot_of(self._store, self._cap.id)
         return self._snapshot
 
     def _where(self) -> str:

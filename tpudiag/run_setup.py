@@ -1,6 +1,5 @@
-"""What every way of capturing does first: a new run's record in the store (status ``running``) with its folder,
-then its collectors prepared and started.  Used by ``tpudiag capture`` (a script), the distributed launcher (a
-job) and ``capture_block`` (a block of code in this process)."""
+"""What every way of capturing does first: a new run's record (status ``running``) with its folder, then its
+collectors prepared and started.  Used by the capture session (``tpudiag.session``) and its drivers."""
 
 from __future__ import annotations
 
@@ -11,12 +10,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import tpudiag
 from tpudiag import environment
 from tpudiag.clock import Clock
 from tpudiag.model import Run
 from tpudiag.plugins import CaptureContext, Collector
 from tpudiag.store import Store
+from tpudiag.version import __version__
 
 
 def new_run_id(clock: Clock) -> str:
@@ -32,13 +31,6 @@ class RunStart:
     script: str
     argv: Sequence[str] = ()
     code_path: Path | None = None
-
-
-def begin_run(store: Store, clock: Clock, start: RunStart, collectors: Sequence[Collector]) -> tuple[Run, Path]:
-    """Register a new run (status ``running``) and create its folder; its record and its folder."""
-    run, run_dir = prepare_run(store, clock, start, collectors)
-    store.put_run(run)
-    return run, run_dir
 
 
 def prepare_run(store: Store, clock: Clock, start: RunStart, collectors: Sequence[Collector]) -> tuple[Run, Path]:
@@ -64,7 +56,7 @@ def new_run(store: Store, clock: Clock, start: RunStart, collectors: Sequence[Co
         host=environment.host(),
         pid=os.getpid(),
         python_version=environment.python_version(),
-        tpudiag_version=tpudiag.__version__,
+        tpudiag_version=__version__,
         env=environment.env_knobs(),
         git_commit=environment.git_commit(start.code_path.resolve()) if start.code_path else None,
         collectors=[c.name for c in collectors],

@@ -2,6 +2,9 @@
 
 A part is written to a temporary name and renamed into place, so a part is either whole or absent, whatever kills
 the process.  The capture loads finished parts into the store in short transactions (see store.ingest_spool).
+
+Tables: the built-in record types of ``tpudiag.model``, plus any a collector declares (``Collector.tables``,
+registered with ``model.register_table`` when the collector is loaded).  One folder per table, one part per write.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tpudiag.model import BULK_TABLES, arrow_schema, records_to_arrow
+from tpudiag.model import arrow_schema, bulk_tables, records_to_arrow
 
 if TYPE_CHECKING:  # Arrow loads on the first part written, not with the capture (~0.2 s before the script)
     import pyarrow as pa
@@ -27,11 +30,12 @@ class Spool:
     def write_table(self, table: str, data: pa.Table, part: str | None = None) -> Path | None:
         """Spool ``data`` as one part of ``table``.  ``part`` names it (work that may run twice, e.g. a store write
         retried after its process died, writes the same part again instead of a second copy)."""
-        if table not in BULK_TABLES:
-            raise ValueError(f"unknown table {table!r}")
+        record = bulk_tables().get(table)
+        if record is None:
+            raise ValueError(f"unknown table {table!r} (a collector declares its own in Collector.tables)")
         if data.num_rows == 0:
             return None
-        data = data.cast(arrow_schema(BULK_TABLES[table]))
+        data = data.cast(arrow_schema(record))
         if part is None:
             with self._lock:
                 part = f"{os.getpid()}-{next(self._counter):06d}"

@@ -5,6 +5,12 @@ where), 2 usage or environment error, 3 inconclusive (a rule could not decide: t
 machine-wide shift).  Without a baseline the run is held against an ideal one: no divergent op, no recompile
 after warm-up, no graph break (timing rules need a baseline and are skipped).  ``--update-baseline`` writes the
 run's snapshot (a small JSON file to commit) to the ``--baseline`` path or the path given.
+
+When the runs did different work only in what timing measures (other input shapes — variable sequence lengths —,
+host against device times, steps found another way) the timing rules are inconclusive, with that reason, and the
+count rules still decide: a new recompile after warm-up fails.  ``--allow-mismatch`` times them anyway.  Another
+script or other arguments, or a run that did not end ok, make the runs not comparable at all: exit 2 unless
+``--allow-mismatch``.
 """
 
 from __future__ import annotations
@@ -39,7 +45,11 @@ def register(sub: Any) -> None:
         metavar="FILE",
         help="write RUN's snapshot as the new baseline file (default: the --baseline file)",
     )
-    p.add_argument("--allow-mismatch", action="store_true", help="gate even when the runs are not comparable")
+    p.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="gate even when the runs are not comparable (and apply timing rules when their input shapes differ)",
+    )
     add_common(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--format", "-f", choices=FORMATS, default="text", help="output format (default text)")
@@ -49,7 +59,7 @@ def register(sub: Any) -> None:
 
 def _line(o: Any) -> str:
     text = f"{o.status.upper():<12} {o.message}"
-    for d in o.details[1:] if o.status == "fail" else o.details:
+    for d in o.details[1:] if o.status in ("fail", "inconclusive") else o.details:
         text += f"\n             {d}"
     return text
 
@@ -59,7 +69,7 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     from tpudiag.comparison.compare import compare
     from tpudiag.comparison.snapshot import Snapshot
     from tpudiag.comparison.source import looks_like_file, snapshot_of
-    from tpudiag.store import Store, resolve_db_path
+    from tpudiag.store_access import open_store
 
     config = rules.load_config(Path(args.rules) if args.rules else None)
     if args.warmup is not None:
@@ -75,7 +85,7 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
             raise UsageError("--update-baseline needs a file: --baseline FILE.json or --update-baseline FILE.json")
         update_to = Path(target)
     with usage_errors():
-        store = Store(resolve_db_path(args.db))
+        store = open_store(args.db)
         run = snapshot_of(store, args.run)
         base: Snapshot | None = None
         if args.baseline and not (
@@ -90,10 +100,12 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
             compile={} if run.compile is not None else None,
         )
     result = compare(base, run, warmup=config.warmup_steps, alpha=config.alpha)
-    problems = result["comparable"]["problems"] if has_baseline else []
+    comparable = result["comparable"]
+    timing_only: list[str] = comparable.get("timing_problems", []) if has_baseline else []
+    problems = [p for p in comparable["problems"] if p not in timing_only] if has_baseline else []
     if problems and not args.allow_mismatch:
         raise UsageError(f"runs not comparable: {problems[0]} (pass --allow-mismatch to gate anyway)")
-    outcomes = rules.evaluate(config, result, has_baseline)
+    outcomes = rules.evaluate(config, result, has_baseline, allow_mismatch=args.allow_mismatch)
     statuses = {o.status for o in outcomes}
     code = 1 if "fail" in statuses else 3 if "inconclusive" in statuses else 0
     verdict = {0: "passed", 1: "FAILED", 3: "INCONCLUSIVE"}[code]
@@ -119,6 +131,7 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
                     "exit_code": code,
                     "verdict": verdict.lower(),
                     "outcomes": [o.to_dict() for o in outcomes],
+                    "timing_not_comparable": [] if args.allow_mismatch else timing_only,
                     "comparison": result,
                 },
                 indent=2,
@@ -152,8 +165,12 @@ def cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _markdown(summary: str, outcomes: list[Any]) -> str:
-    lines = ["## tpudiag check", "", summary, "", "| status | rule | allowed | seen | where |", "|---|---|---|---|---|"]
+    lines = ["## tpudiag check", "", summary, ""]
+    undecided = [o for o in outcomes if o.status == "inconclusive"]
+    if undecided:
+        lines += [f"**Inconclusive**: {o.rule.metric}: {o.reason}" for o in undecided] + [""]
+    lines += ["| status | rule | allowed | seen | where / why |", "|---|---|---|---|---|"]
     for o in outcomes:
-        cells = [o.status, o.rule.metric, o.rule.allowed(), o.seen, o.where or ""]
+        cells = [o.status, o.rule.metric, o.rule.allowed(), o.seen, o.where or o.reason or ""]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"

@@ -77,11 +77,11 @@ def cmd_compare(args: argparse.Namespace, rest: list[str]) -> int:
     from tpudiag.comparison import ci_output, render
     from tpudiag.comparison.compare import compare, findings, regressions
     from tpudiag.comparison.source import snapshot_of
-    from tpudiag.store import Store, resolve_db_path
+    from tpudiag.store_access import open_store
 
     check_numbers(args)
     with usage_errors():
-        store = Store(resolve_db_path(args.db))
+        store = open_store(args.db)
         a = snapshot_of(store, args.a)
         b = snapshot_of(store, args.b)
     result = compare(a, b, warmup=args.warmup, alpha=args.alpha)

@@ -21,7 +21,8 @@ from types import FrameType
 from typing import Any
 
 from tpudiag.errors import StoreError, StoreLockedError, UsageError
-from tpudiag.store import Store, resolve_db_path
+from tpudiag.store import resolve_db_path
+from tpudiag.store_access import open_store
 
 DEFAULT_PORT = 8501
 STARTUP_TIMEOUT_S = 90.0
@@ -56,7 +57,7 @@ def check_port(host: str, port: int) -> None:
 
 def check_store(path: Path) -> None:
     """A missing store is fine (the app teaches how to capture); anything else must be a readable store."""
-    store = Store(path, lock_timeout_s=5.0)
+    store = open_store(path, lock_timeout_s=5.0)
     if not store.exists():
         return
     # A capture is writing: fine, the app retries on its own.

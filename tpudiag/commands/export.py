@@ -9,7 +9,8 @@ from typing import Any
 
 from tpudiag.errors import UsageError
 from tpudiag.exporters import ExportOptions, exporter_specs, load_exporter
-from tpudiag.store import Store, queries, resolve_db_path
+from tpudiag.store import queries
+from tpudiag.store_access import open_store
 
 TENSORBOARD_INSTALL = 'pip install "tpudiag[tensorboard]"'
 EPILOG = """formats:
@@ -44,7 +45,7 @@ def cmd_export(args: argparse.Namespace, rest: list[str]) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a directory")
-    store = Store(resolve_db_path(args.db))
+    store = open_store(args.db)
     run = queries.resolve_run(store, args.run)
     exporter = load_exporter(args.format)
     options = ExportOptions(gzip=args.gzip, include_original=not args.no_original)

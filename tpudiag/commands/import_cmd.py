@@ -37,9 +37,9 @@ def register(sub: Any) -> None:
 def cmd_import(args: argparse.Namespace, rest: list[str]) -> int:
     _skip_pandas()
     from tpudiag.importer import import_paths
-    from tpudiag.store import Store, resolve_db_path
+    from tpudiag.store_access import open_store
 
-    store = Store(resolve_db_path(args.db))
+    store = open_store(args.db)
     result = import_paths(store, [Path(p) for p in args.paths], name=args.name)
     for _path, why in result.failed:
         sys.stderr.write(f"tpudiag: warning: skipped {why}\n")

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from tpudiag.errors import TpudiagError, UnknownRunError, UsageError
-from tpudiag.store import Store, numerics_queries, queries, resolve_db_path
+from tpudiag.store import numerics_queries, queries
+from tpudiag.store_access import open_store
 
 SCRIPT = '''"""Re-run {op} (seq {seq} of run {run_id}: {module}, {phase}, {source}) and compare with float64.
 
@@ -89,7 +90,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_repro(args: Any, rest: list[str]) -> int:
-    store = Store(resolve_db_path(args.db))
+    store = open_store(args.db)
     run = queries.resolve_run(store, args.run)
     detail = numerics_queries.op_detail(store, run["id"], args.seq)
     if detail is None:

@@ -70,8 +70,9 @@ def _pct(ratio: float | None) -> str:
 def findings(result: dict[str, Any]) -> list[Finding]:
     out: list[Finding] = []
     comp = result["comparable"]
+    timing = set(comp.get("timing_problems", []))
     for p in comp["problems"]:
-        out.append(Finding("comparable", "warning", "not comparable", p))
+        out.append(Finding("comparable", "warning", "not comparable" + (" for timing" if p in timing else ""), p))
     steady = (result["steps"] or {}).get("steady")
     if steady and steady["verdict"] in ("slower", "faster"):
         sev = "error" if steady["verdict"] == "slower" else "notice"

@@ -3,7 +3,11 @@
 Some differences are the point of a comparison (torch 2.13 → 2.14, CPU → TPU, one commit → the next) and are only
 stated.  Others mean the two runs did not do the same work (another script, other arguments, other input
 shapes) or cannot be timed against each other (host times on one side, device times on the other); those are
-*problems*: ``tpudiag check`` refuses to gate on them unless told ``--allow-mismatch``.
+*problems*.  Some problems only make the *times* incomparable (other input shapes, host against device times, steps
+found another way): they are also listed as ``timing_problems``, and ``tpudiag check`` then reads its timing rules
+as inconclusive while its count rules (divergent ops, recompiles, graph breaks: valid whatever the shapes) still
+decide.  On the others (another script or arguments, a run that did not end ``ok``) it refuses to gate unless
+told ``--allow-mismatch``.
 """
 
 from __future__ import annotations
@@ -52,10 +56,12 @@ def _dict_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, list[Any]]:
 
 
 def comparability(a: Snapshot, b: Snapshot) -> dict[str, Any]:
-    """The ``comparable`` section: ``ok``, both fingerprints, ``differences`` (stated) and ``problems``."""
+    """The ``comparable`` section: ``ok``, both fingerprints, ``differences`` (stated), ``problems`` and, among
+    them, ``timing_problems`` (those that leave counts comparable)."""
     fa, fb = fingerprint(a), fingerprint(b)
     differences: list[dict[str, Any]] = []
     problems: list[str] = []
+    timing: list[str] = []
     for key in fa:
         va, vb = fa[key], fb[key]
         if va == vb:
@@ -67,16 +73,24 @@ def comparability(a: Snapshot, b: Snapshot) -> dict[str, Any]:
         if key in BLOCKING:
             problems.append(f"{key} differs ({_short(va)} vs {_short(vb)}): the runs did not do the same work")
         elif key == "input_shapes" and fa[key] and fb[key]:
-            problems.append("input shapes differ: step and op times measure different work")
+            timing.append("input shapes differ: step and op times measure different work")
         elif key == "time_source" and va and vb:
-            problems.append(f"op times are {va} times in A and {vb} times in B: not comparable")
+            timing.append(f"op times are {va} times in A and {vb} times in B: not comparable")
         elif key == "step_kind" and va and vb:
-            problems.append(f"steps were found differently ({va} vs {vb}): step times are not comparable")
+            timing.append(f"steps were found differently ({va} vs {vb}): step times are not comparable")
+    problems.extend(timing)
     for label, s in (("A", a), ("B", b)):
         status = s.run.get("status")
         if status not in (None, "ok"):
             problems.append(f"run {label} ({s.label}) ended {status}: its data may be partial")
-    return {"ok": not problems, "a": fa, "b": fb, "differences": differences, "problems": problems}
+    return {
+        "ok": not problems,
+        "a": fa,
+        "b": fb,
+        "differences": differences,
+        "problems": problems,
+        "timing_problems": timing,
+    }
 
 
 def _short(v: Any) -> str:

@@ -51,7 +51,10 @@ def tables(result: dict[str, Any]) -> list[Table]:
     out: list[Table] = []
     comp = result["comparable"]
     rows = [[d["field"], _v(d["a"]), _v(d["b"])] for d in comp["differences"]]
-    notes = [f"not comparable: {p}" for p in comp["problems"]] or ["comparable: same script, arguments, input shapes"]
+    timing = set(comp.get("timing_problems", []))
+    notes = [f"not comparable{' for timing' if p in timing else ''}: {p}" for p in comp["problems"]] or [
+        "comparable: same script, arguments, input shapes"
+    ]
     out.append(("Fingerprint differences", ["field", "A", "B"], rows, notes))
 
     st = result["steps"]

@@ -15,6 +15,11 @@ A rule of the file replaces the default rule of the same metric; ``enabled = fal
 metrics (counts) take ``max`` (allowed count in B) or ``max_increase`` (allowed B − A).  A statistical rule fails
 only when the change is significant *and* beyond both the ratio and the floor; beyond them but not significant
 (too few samples, too noisy, a machine-wide shift) it is inconclusive — never a failure.
+
+Timing rules (``TIMING``: step, op and compile times) measure work, so they are inconclusive when the runs did
+different work — other input shapes, host against device times, steps found another way (the comparison's
+``timing_problems``) — unless ``allow_mismatch``.  Count rules stay exact whatever the shapes: a recompile after
+warm-up caused by a new sequence length is exactly what they are for.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ COUNTS = (
 )
 RATIOS = ("compile.compile_time",)
 METRICS = STATISTICAL + COUNTS + RATIOS
+TIMING = STATISTICAL + RATIOS  # measure time, so need the same work on both sides; COUNTS do not
 RULE_KEYS = {"metric", "direction", "max_ratio", "floor", "max", "max_increase", "enabled"}
 
 DEFAULT_RULES: tuple[dict[str, Any], ...] = (
@@ -97,8 +103,15 @@ class Outcome:
         return f"{self.rule.metric} {self.status}"
 
     @property
+    def reason(self) -> str | None:
+        """Why an inconclusive rule could not decide (its first detail)."""
+        return self.details[0] if self.status == "inconclusive" and self.details else None
+
+    @property
     def message(self) -> str:
         text = f"{self.rule.metric}: allowed {self.rule.allowed()}, seen {self.seen}"
+        if self.reason:
+            return text + f" — inconclusive: {self.reason}"
         return text + (f" — {self.where}" if self.where else "")
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,6 +123,7 @@ class Outcome:
             "where": self.where,
             "file": self.file,
             "line": self.line,
+            "reason": self.reason,
             "details": self.details,
         }
 
@@ -175,11 +189,29 @@ def load_config(path: Path | None) -> Config:
 
 
 # -- evaluation -------------------------------------------------------------------------------------------------
-def evaluate(config: Config, result: dict[str, Any], has_baseline: bool) -> list[Outcome]:
+def evaluate(config: Config, result: dict[str, Any], has_baseline: bool, allow_mismatch: bool = False) -> list[Outcome]:
+    """Every rule's outcomes.  When the runs did different work (``timing_problems`` of the comparison) timing
+    rules are inconclusive with that reason, unless ``allow_mismatch``; count rules decide either way."""
+    mismatch = ((result.get("comparable") or {}).get("timing_problems") or []) if has_baseline else []
     out: list[Outcome] = []
     for rule in config.rules:
-        out.extend(_evaluate(rule, result, has_baseline))
+        outcomes = _evaluate(rule, result, has_baseline)
+        if rule.metric in TIMING and mismatch and not allow_mismatch:
+            outcomes = _not_timed(rule, outcomes, mismatch)
+        out.extend(outcomes)
     return out
+
+
+def _not_timed(rule: Rule, outcomes: list[Outcome], mismatch: list[str]) -> list[Outcome]:
+    """A timing rule on runs that did different work: what was measured, but inconclusive with the reason."""
+    if all(o.status == "skipped" for o in outcomes):
+        return outcomes
+    if len(outcomes) == 1:
+        seen = outcomes[0].seen
+    else:  # ops.time: one outcome per op beyond the ratio
+        seen = f"{len(outcomes)} ops beyond ×{rule.max_ratio}: " + "; ".join(o.where or "" for o in outcomes[:3])
+    hint = "count rules still decide; --allow-mismatch times them anyway"
+    return [Outcome(rule, "inconclusive", seen, details=[f"{mismatch[0]} ({hint})", *mismatch[1:]])]
 
 
 def _evaluate(rule: Rule, result: dict[str, Any], has_baseline: bool) -> list[Outcome]:

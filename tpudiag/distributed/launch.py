@@ -21,17 +21,20 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from tpudiag import environment, runner
-from tpudiag.capture import CaptureOptions, CaptureResult
-from tpudiag.clock import SystemClock
+from tpudiag import runner
+from tpudiag.capture_options import CaptureOptions, CaptureResult
+from tpudiag.clock import Clock, SystemClock
 from tpudiag.distributed import merge, multinode
 from tpudiag.distributed.session import CONFIG_ENV, ORIGINAL_PYTHON_EXEC_ENV, WorkerConfig
 from tpudiag.errors import TpudiagError
-from tpudiag.plugins import CaptureContext, load_collectors
-from tpudiag.run_setup import RunStart, begin_run, new_run
+from tpudiag.model import Run
+from tpudiag.plugins import load_collectors
+from tpudiag.run_setup import RunStart, new_run, prepare_run
+from tpudiag.session import CaptureSession, Delivered, Finished
 from tpudiag.spool import Spool
 from tpudiag.store import Store
 from tpudiag.store import distributed_queries as q
+from tpudiag.store_access import open_store
 
 UNREACHED_FLAGS = ("--run-path", "--run_path", "--no-python", "--no_python")
 
@@ -63,11 +66,47 @@ def worker_environment(config: WorkerConfig, wrapper: Path) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureResult:
-    clock = SystemClock()
+class JobSink:
+    """The launcher's sink: the job's run stored with its ranks' shards merged in (or, on a node that is not the
+    last of a multi-node job out, left ``running`` for the last one to merge)."""
+
+    def __init__(self, store: Store, run_dir: Path, node: multinode.NodeMarker | None) -> None:
+        self.store, self.run_dir, self.node = store, run_dir, node
+        self.notes: list[str] = []
+
+    @property
+    def defers(self) -> bool:
+        return False
+
+    def begin(self, run: Run) -> None:
+        if self.node is None:  # a node of a multi-node job joined or created the run already
+            self.store.put_run(run)
+
+    def flush(self) -> None:
+        """Nothing to load while the job runs: the ranks write shards."""
+
+    def deliver(self, finished: Finished) -> Delivered:
+        final = finished.run
+        if self.node is not None:
+            still_running = self.node.leave(final.status, final.exit_code, final.notes)
+            if still_running:  # another node's ranks are still at work: the last node out merges the job
+                note = (
+                    f"{len(still_running)} other node(s) of the job still running: the last one out merges every rank"
+                )
+                live = still_running[0]
+                with self.store.writer() as w:  # the record points at a live node: stale-run recovery leaves it alone
+                    q.set_run_owner(w, final.id, str(live.get("host")), int(live.get("pid") or 0))
+                return Delivered(dataclasses.replace(final, status="running"), True, (note,))
+            final = multinode.combine(final, self.node.outcomes())
+        merged = merge.store_merged(self.store, final, lambda w: merge.finish(self.store, final, self.run_dir, con=w))
+        return Delivered(merged, True)
+
+
+def capture_launcher(target: runner.Target, options: CaptureOptions, clock: Clock | None = None) -> CaptureResult:
+    clock = clock or SystemClock()
     runner.check_target(target)
     with runner.signals_to_main_thread():
-        store = Store(options.db)
+        store = open_store(options.db)
         collectors = load_collectors(options.collect)  # unknown names fail here, before the job starts
         with contextlib.suppress(TpudiagError):
             store.recover_stale_runs()
@@ -77,48 +116,32 @@ def capture_launcher(target: runner.Target, options: CaptureOptions) -> CaptureR
     job = multinode.job_id(target.args, options.run_id)
     node: multinode.NodeMarker | None = None
     if job is None:
-        run, run_dir = begin_run(store, clock, start, collectors)
+        run, run_dir = prepare_run(store, clock, start, collectors)
     else:  # one node of a multi-node job (or an explicit --run-id): create the job's run or join it
         run, _joined = multinode.join_or_create(store, job, new_run(store, clock, start, collectors))
         run_dir = Path(run.artifacts_dir or store.run_dir(run.id))
         run_dir.mkdir(parents=True, exist_ok=True)
         node = multinode.NodeMarker(run_dir)
         node.enter()
-    run_id = run.id
-    ctx = CaptureContext(run_id=run_id, run_dir=run_dir, spool=Spool(run_dir / "spool"), clock=clock)
+    # The launcher itself runs no collector: only its workers are ranks.
+    sink = JobSink(store, run_dir, node)
+    session = CaptureSession(
+        run, run_dir, Spool(run_dir / "spool"), [], sink, clock=clock, ended_with="launcher", flush_s=0
+    )
+    session.start(flusher=False)
     if any(a.split("=", 1)[0] in UNREACHED_FLAGS for a in target.args):
-        ctx.note("--run-path / --no-python workers do not start through PYTHON_EXEC: they were not captured")
+        session.note("--run-path / --no-python workers do not start through PYTHON_EXEC: they were not captured")
     config = WorkerConfig(
-        run_id=run_id,
+        run_id=run.id,
         run_dir=str(run_dir),
         collect=options.collect,
         options=dict(options.collector_options),
         flush_s=options.flush_interval_s,
     )
     wrapper = write_wrapper(run_dir, os.environ.get("PYTHON_EXEC") or sys.executable, node.path.stem if node else "")
-    t0 = clock.monotonic()
     with worker_environment(config, wrapper):
         outcome = runner.run(target)
-    duration = clock.monotonic() - t0
-    kind, device_name = environment.device()
-    final = dataclasses.replace(
-        run,
-        status=outcome.status,
-        exit_code=outcome.exit_code,
-        duration_s=round(duration, 6),
-        torch_version=environment.torch_version(),
-        device_kind=kind,
-        device_name=device_name,
-        notes=list(ctx.notes) + ([f"launcher ended with {outcome.error}"] if outcome.error else []),
-    )
-    if node is not None:
-        still_running = node.leave(final.status, final.exit_code, final.notes)
-        if still_running:  # another node's ranks are still at work: the last node out merges the job
-            ctx.note(f"{len(still_running)} other node(s) of the job still running: the last one out merges every rank")
-            live = still_running[0]
-            with store.writer() as w:  # the record points at a live node: stale-run recovery leaves it alone
-                q.set_run_owner(w, run_id, str(live.get("host")), int(live.get("pid") or 0))
-            return CaptureResult(run_id, outcome.exit_code, "running", [], ctx, True)
-        final = multinode.combine(final, node.outcomes())
-    final = merge.store_merged(store, final, lambda w: merge.finish(store, final, run_dir, con=w))
-    return CaptureResult(run_id, outcome.exit_code, final.status, [], ctx, True)
+    delivered = session.deliver(session.stop(outcome))
+    for note in delivered.notes:
+        session.note(note)
+    return CaptureResult(run.id, outcome.exit_code, delivered.run.status, [], session.ctx, True)

@@ -1,8 +1,8 @@
 """The capture session of one rank: collectors and the distributed probe around the rank's own code.
 
-It is the single-process capture (``tpudiag.capture``) without the store: a rank never opens DuckDB (hundreds of
-ranks would queue on its one writer lock); it writes Parquet shards, which the launcher side merges into one run
-when the job ends.  The launcher side hands the run over in one environment variable (``WorkerConfig``).
+It is the capture session (``tpudiag.session``) with a ``ShardSink``: a rank never opens DuckDB (hundreds of ranks
+would queue on its one writer lock); it writes Parquet shards, which the launcher side merges into one run when the
+job ends.  The launcher side hands the run over in one environment variable (``WorkerConfig``).
 """
 
 from __future__ import annotations
@@ -11,19 +11,21 @@ import contextlib
 import json
 import os
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpudiag import environment, runner
-from tpudiag.clock import SystemClock
+from tpudiag import runner
+from tpudiag.clock import Clock, SystemClock
 from tpudiag.distributed.identity import RankIdentity
 from tpudiag.distributed.probe import DistributedProbe
 from tpudiag.distributed.records import RankInfo
 from tpudiag.distributed.shards import ShardSpool
+from tpudiag.model import Run
 from tpudiag.plugins import CaptureContext, Collector, load_collectors
+from tpudiag.runner import Outcome
+from tpudiag.session import CaptureSession, Delivered, Finished
 
 CONFIG_ENV = "TPUDIAG_DIST"
 ORIGINAL_PYTHON_EXEC_ENV = "TPUDIAG_DIST_PYTHON_EXEC"
@@ -80,40 +82,80 @@ def error_file_message(path: str | None) -> str | None:
         return None
 
 
-class _Flusher(threading.Thread):
-    def __init__(self, parts: list[Any], interval: float) -> None:
-        super().__init__(name="tpudiag-rank-flusher", daemon=True)
-        self._parts, self._interval = parts, interval
-        self._stop_event = threading.Event()
+class ShardSink:
+    """A rank's sink: no store (hundreds of ranks would queue on DuckDB's one writer lock); the finished run becomes
+    the rank's ``RankInfo`` record, written to its shards beside the collectors' parts."""
 
-    def run(self) -> None:
-        while not self._stop_event.wait(self._interval):
-            for part in self._parts:
-                with contextlib.suppress(Exception):
-                    part.flush()
+    def __init__(self, config: WorkerConfig, identity: RankIdentity, spool: ShardSpool, workdir: Path) -> None:
+        self.config, self.identity, self.spool, self.workdir = config, identity, spool, workdir
+        self.fallback_rank: int | None = None
+        self.extra_notes: list[str] = []
 
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=30)
+    @property
+    def defers(self) -> bool:
+        return False
+
+    def begin(self, run: Run) -> None:
+        """The launcher registered the job's run."""
+
+    def flush(self) -> None:
+        """The collectors' parts are shards already."""
+
+    def deliver(self, finished: Finished) -> Delivered:
+        if self.spool.rank is None:
+            self.spool.set_rank(self.fallback_rank if self.fallback_rank is not None else 0)
+        self.identity.rank = self.spool.rank
+        run, outcome = finished.run, finished.outcome
+        # The rank's record keeps its error apart (not as a note): the cross-rank analysis reads it.
+        notes = self.extra_notes + [n for n in run.notes if not n.startswith("script ended with ")]
+        info = RankInfo(
+            run_id=self.config.run_id,
+            rank=self.spool.rank or 0,
+            restart=self.identity.attempt,
+            local_rank=self.identity.local_rank,
+            world_size=self.identity.world_size,
+            host=self.identity.host,
+            pid=self.identity.pid,
+            backend=self.identity.backend,
+            status=outcome.status,
+            exit_code=outcome.exit_code,
+            error=error_file_message(os.environ.get("TORCHELASTIC_ERROR_FILE")) or outcome.error,
+            started_at=run.started_at,
+            ended_at=time.time(),
+            device=run.device_kind,
+            device_ids=json.dumps(self.identity.device_ids) if self.identity.device_ids else None,
+            job_id=self.identity.job_id,
+            artifacts_dir=str(self.workdir),
+            notes=json.dumps(notes) if notes else None,
+        )
+        self.spool.write_records(RankInfo, [info])
+        return Delivered(run, False)
 
 
 class WorkerSession:
     """``start()`` before the rank's code, ``finish(...)`` after it; neither ever raises into the rank."""
 
-    def __init__(self, config: WorkerConfig, identity: RankIdentity) -> None:
+    def __init__(self, config: WorkerConfig, identity: RankIdentity, clock: Clock | None = None) -> None:
         self.config, self.identity = config, identity
+        self.clock = clock or SystemClock()
         run_dir = Path(config.run_dir)
         tag = f"a{identity.attempt}-{identity.pid}"
         self.spool = ShardSpool(
             config.shards_root, run_dir / "shards-staging" / tag, config.run_id, identity.rank, identity.attempt
         )
         self.workdir = run_dir / "workers" / tag
-        self.started = time.time()
-        self.active: list[Collector] = []
-        self.notes: list[str] = []
+        self.sink = ShardSink(config, identity, self.spool, self.workdir)
+        self.notes = self.sink.extra_notes  # what the rank's record says besides its collectors' notes
         self.probe: DistributedProbe | None = None
-        self._flusher: _Flusher | None = None
-        self.ctx: CaptureContext | None = None
+        self.session: CaptureSession | None = None
+
+    @property
+    def ctx(self) -> CaptureContext | None:
+        return self.session.ctx if self.session is not None else None
+
+    @property
+    def active(self) -> list[Collector]:
+        return self.session.active if self.session is not None else []
 
     def start(self) -> None:
         try:
@@ -131,33 +173,25 @@ class WorkerSession:
         provisional = self.identity.rank if self.identity.rank is not None else self.identity.local_rank
         options["rank"] = provisional or 0
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.ctx = CaptureContext(
-            run_id=self.config.run_id, run_dir=self.workdir, spool=self.spool, options=options, clock=SystemClock()
-        )
         collectors = load_collectors(self.config.collect)
-        for c in collectors:
-            try:
-                c.prepare(self.ctx)
-            except Exception as err:
-                self.ctx.note(f"collector {c.name} failed to prepare: {err}")
-        for c in collectors:
-            try:
-                c.start(self.ctx)
-                self.active.append(c)
-            except Exception as err:
-                self.ctx.note(f"collector {c.name} failed to start: {err}")
+        run = Run(
+            id=self.config.run_id, name="rank", status="running", started_at=self.clock.wall(), pid=self.identity.pid
+        )
+        self.session = CaptureSession(
+            run, self.workdir, self.spool, collectors, self.sink,
+            options=options, clock=self.clock, flush_s=self.config.flush_s,
+        )  # fmt: skip
+        self.session.start()
         # The probe needs torch; it is loaded only when a collector already loaded it (``--collect none`` stays
         # torch-free, and its ranks are known from the launcher's environment only).
         if "torch" in sys.modules:
             try:
                 self.probe = DistributedProbe(self.identity, self.spool, self._rank_known)
                 self.probe.start()
+                self.session.attach(_ProbePart(self.probe, self.notes))
             except Exception as err:
                 self.probe = None
                 self.notes.append(f"the distributed probe failed to start: {err}")
-        parts: list[Any] = [*self.active, *([self.probe] if self.probe else [])]
-        self._flusher = _Flusher(parts, self.config.flush_s)
-        self._flusher.start()
 
     def _rank_known(self, identity: RankIdentity) -> None:
         if identity.rank is not None:
@@ -167,46 +201,29 @@ class WorkerSession:
 
     def finish(self, status: str, exit_code: int | None, error: str | None, fallback_rank: int | None = None) -> None:
         with contextlib.suppress(Exception):
-            self._finish(status, exit_code, error, fallback_rank)
+            self.sink.fallback_rank = fallback_rank
+            outcome = Outcome(exit_code if exit_code is not None else 0, status, error)
+            if self.session is None:  # the capture never started: the rank's record still says how it ended
+                run = Run(id=self.config.run_id, name="rank", status=status, started_at=self.clock.wall())
+                self.sink.deliver(Finished(run, outcome))
+                return
+            self.session.deliver(self.session.stop(outcome))
 
-    def _finish(self, status: str, exit_code: int | None, error: str | None, fallback_rank: int | None) -> None:
-        if self._flusher is not None:
-            self._flusher.stop()
-        if self.probe is not None:
-            try:
-                self.probe.stop()
-            except Exception as err:
-                self.notes.append(f"the distributed probe failed while stopping: {err}")
-            self.notes += self.probe.errors
-        for c in reversed(self.active):
-            try:
-                c.stop()
-            except Exception as err:
-                if self.ctx is not None:
-                    self.ctx.note(f"collector {c.name} failed while stopping: {err}")
-        if self.spool.rank is None:
-            self.spool.set_rank(fallback_rank if fallback_rank is not None else 0)
-        self.identity.rank = self.spool.rank
-        kind, _ = environment.device()
-        notes = self.notes + (list(self.ctx.notes) if self.ctx else [])
-        info = RankInfo(
-            run_id=self.config.run_id,
-            rank=self.spool.rank or 0,
-            restart=self.identity.attempt,
-            local_rank=self.identity.local_rank,
-            world_size=self.identity.world_size,
-            host=self.identity.host,
-            pid=self.identity.pid,
-            backend=self.identity.backend,
-            status=status,
-            exit_code=exit_code,
-            error=error_file_message(os.environ.get("TORCHELASTIC_ERROR_FILE")) or error,
-            started_at=self.started,
-            ended_at=time.time(),
-            device=kind,
-            device_ids=json.dumps(self.identity.device_ids) if self.identity.device_ids else None,
-            job_id=self.identity.job_id,
-            artifacts_dir=str(self.workdir),
-            notes=json.dumps(notes) if notes else None,
-        )
-        self.spool.write_records(RankInfo, [info])
+
+class _ProbePart:
+    """The distributed probe as a part of the session: flushed with the collectors, stopped before them."""
+
+    name = "distributed probe"
+
+    def __init__(self, probe: DistributedProbe, notes: list[str]) -> None:
+        self.probe, self.notes = probe, notes
+
+    def flush(self) -> None:
+        self.probe.flush()
+
+    def stop(self) -> None:
+        try:
+            self.probe.stop()
+        except Exception as err:
+            self.notes.append(f"the distributed probe failed while stopping: {err}")
+        self.notes += self.probe.errors

@@ -21,21 +21,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpudiag.distributed.records import DIST_RECORDS
-from tpudiag.model import BULK_TABLES, arrow_schema, records_to_arrow
+from tpudiag.model import arrow_schema, bulk_tables, records_to_arrow
 from tpudiag.spool import Spool, write_parquet
 
 if TYPE_CHECKING:  # Arrow loads with the first shard, not with every capture (the spawn wrapper imports this)
     import pyarrow as pa
 
 PATH_COLUMNS = ("run_id", "rank")
-SHARD_TABLES: dict[str, type[Any]] = {**BULK_TABLES, **{c.TABLE: c for c in DIST_RECORDS}}
+DIST_TABLES: dict[str, type[Any]] = {c.TABLE: c for c in DIST_RECORDS}
+
+
+def shard_tables() -> dict[str, type[Any]]:
+    """Every table a rank writes: the spool's (built-ins and collector-declared ones) and the ``dist_*`` records."""
+    return {**bulk_tables(), **DIST_TABLES}
 
 
 def shard_schema(table: str) -> pa.Schema:
     """The columns of a shard file: the table's, less the partition columns, plus ``restart``."""
     import pyarrow as pa
 
-    schema = arrow_schema(SHARD_TABLES[table])
+    schema = arrow_schema(shard_tables()[table])
     fields = [f for f in schema if f.name not in PATH_COLUMNS]
     if "restart" not in schema.names:
         fields.append(pa.field("restart", pa.int64()))
@@ -54,7 +59,7 @@ def to_shard(table: str, data: pa.Table, attempt: int) -> pa.Table:
     """A table's rows in shard form (partition columns dropped, ``restart`` set where the table has none)."""
     import pyarrow as pa
 
-    data = data.cast(arrow_schema(SHARD_TABLES[table]))
+    data = data.cast(arrow_schema(shard_tables()[table]))
     data = data.drop_columns([c for c in PATH_COLUMNS if c in data.column_names])
     if "restart" not in data.column_names:
         data = data.append_column("restart", pa.array([attempt] * data.num_rows, pa.int64()))
@@ -76,7 +81,7 @@ class ShardSpool(Spool):
         return partition_dir(self.root, table, self.run_id, self.rank)
 
     def write_table(self, table: str, data: pa.Table, part: str | None = None) -> Path | None:
-        if table not in SHARD_TABLES:
+        if table not in shard_tables():
             raise ValueError(f"unknown table {table!r}")
         if data.num_rows == 0:
             return None

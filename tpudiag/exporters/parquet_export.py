@@ -14,12 +14,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import tpudiag
 from tpudiag.atomic_file import atomic_file
 from tpudiag.exporters import ExportOptions
 from tpudiag.progress import Progress
 from tpudiag.store import SCHEMA_VERSION, Store
 from tpudiag.store import export_queries as q
+from tpudiag.version import __version__
 
 METADATA_PREFIX = "tpudiag."
 
@@ -29,7 +29,7 @@ def file_metadata(table: str, run_id: str) -> dict[bytes, bytes]:
         "schema_version": str(SCHEMA_VERSION),
         "table": table,
         "run_id": run_id,
-        "version": tpudiag.__version__,
+        "version": __version__,
     }
     return {f"{METADATA_PREFIX}{k}".encode(): v.encode() for k, v in values.items()}
 

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpudiag.errors import StoreError, StoreLockedError
-from tpudiag.model import BULK_TABLES, Run, column_names
+from tpudiag.model import BULK_TABLES, Run, column_names, is_table_name
+from tpudiag.store import pending
+from tpudiag.store.pending import Finisher
 from tpudiag.store.schema import MIGRATIONS, SCHEMA_VERSION, ddl
 
 if TYPE_CHECKING:
@@ -40,6 +42,19 @@ def lock_timeout() -> float:
         return 60.0
 
 
+def _no_progress_bar(con: duckdb.DuckDBPyConnection) -> None:
+    """No progress bar: DuckDB would draw it on the user's terminal during long loads.  Inside a Jupyter kernel
+    DuckDB refuses any change to that setting unless ``ipywidgets`` is installed (its bar there is a widget), and
+    its bar is off there already: a notebook must not need ipywidgets."""
+    import duckdb
+
+    try:
+        con.execute("SET enable_progress_bar = false")
+    except duckdb.InvalidInputException as err:
+        if "progress bar" not in str(err):
+            raise
+
+
 def _is_lock_error(err: Exception) -> bool:
     text = str(err)
     return "lock" in text.lower() or "different configuration" in text
@@ -48,8 +63,12 @@ def _is_lock_error(err: Exception) -> bool:
 class Store:
     """A tpudiag store: a DuckDB file plus a folder of per-run artifacts beside it."""
 
-    def __init__(self, path: str | os.PathLike[str], lock_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], lock_timeout_s: float | None = None, finisher: Finisher | None = None
+    ) -> None:
         self.path = Path(path)
+        # Stores a run whose background store write died (see store/pending.py); ``open_store`` hands one over.
+        self.finisher = finisher
         self.lock_timeout_s = lock_timeout() if lock_timeout_s is None else lock_timeout_s
         if self.path.is_dir():
             raise StoreError(f"store path {self.path} is a directory, not a DuckDB file")
@@ -87,8 +106,7 @@ class Store:
         while True:
             try:
                 con = duckdb.connect(str(self.path), read_only=read_only)
-                # No progress bar: DuckDB would draw it on the user's terminal during long loads.
-                con.execute("SET enable_progress_bar = false")
+                _no_progress_bar(con)
                 return con
             except duckdb.Error as err:
                 if not _is_lock_error(err):
@@ -124,9 +142,7 @@ class Store:
     def reader(self, settle: bool = True) -> Iterator[duckdb.DuckDBPyConnection]:
         """A read-only connection, once every run being stored in the background is stored (``settle``)."""
         if settle:
-            from tpudiag import deferred_store
-
-            deferred_store.settle(self)
+            pending.settle(self, self.finisher)
         if not self.path.exists():
             raise StoreError(f"no store at {self.path} (capture a run first: tpudiag capture script.py)")
         con = self._open(read_only=True)
@@ -203,8 +219,8 @@ class Store:
         Parts are loaded at most once (tracked in ``ingested_parts``) and deleted after the commit.
         """
         pending: dict[str, list[Path]] = {}
-        for table in BULK_TABLES:
-            parts = sorted((spool_dir / table).glob("*.parquet")) if (spool_dir / table).is_dir() else []
+        for table in spool_tables(spool_dir):
+            parts = sorted((spool_dir / table).glob("*.parquet"))
             if parts:
                 pending[table] = parts
         if not pending:
@@ -221,6 +237,8 @@ class Store:
                 if not todo:
                     continue
                 files = [str(p) for p in todo]
+                if table not in BULK_TABLES:  # a collector's own table: created from its parts' (declared) schema
+                    w.execute(f"CREATE TABLE IF NOT EXISTS {table} AS SELECT * FROM read_parquet(?) LIMIT 0", [files])
                 res = w.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet(?)", [files]).fetchone()
                 rows += int(res[0]) if res else 0
                 w.executemany(
@@ -269,8 +287,6 @@ class Store:
         """Mark runs whose capture process died (SIGKILL, os._exit) as interrupted, loading their spooled tail."""
         if not self.path.exists():
             return []
-        from tpudiag import deferred_store
-
         host = socket.gethostname()
         with self.reader(settle=False) as r:  # a capture starting does not wait for the last one's store write
             rows = r.execute(
@@ -280,7 +296,7 @@ class Store:
         stale = [
             (rid, pid, started, adir)
             for rid, pid, started, adir in rows
-            if pid and not _alive(pid) and not deferred_store.is_pending(self, rid)  # its script did finish
+            if pid and not _alive(pid) and not pending.is_pending(self, rid)  # its script did finish
         ]
         if not stale:
             return []
@@ -300,6 +316,16 @@ class Store:
                     ],
                 )
         return [s[0] for s in stale]
+
+
+def spool_tables(spool_dir: Path) -> list[str]:
+    """The tables a spool folder holds parts of: built-ins first, then collector-declared ones (their folder names,
+    checked as SQL-safe names; the spool only writes tables registered with ``model.register_table``)."""
+    try:
+        names = sorted(p.name for p in spool_dir.iterdir() if p.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [t for t in BULK_TABLES if t in names] + [t for t in names if t not in BULK_TABLES and is_table_name(t)]
 
 
 def _alive(pid: int) -> bool:

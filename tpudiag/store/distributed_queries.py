@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from tpudiag.distributed.analysis import Lateness
 from tpudiag.distributed.records import Collective, Fingerprint, RankInfo
 from tpudiag.distributed.shards import table_glob
-from tpudiag.model import CompileEvent, Step, column_kinds
+from tpudiag.model import BULK_TABLES, CompileEvent, Step, column_kinds, is_table_name
 
 if TYPE_CHECKING:
     import duckdb
@@ -106,6 +106,31 @@ def load_main_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, at
         where = "restart = ?" + (" AND rank = ?" if table in ("ops", "op_diffs") else "")
         params: list[Any] = [run_id, attempt] + ([ops_rank] if table in ("ops", "op_diffs") else [])
         con.execute(f"INSERT INTO {table} BY NAME SELECT {select} FROM {_source(root, table)} WHERE {where}", params)
+    load_declared_tables(con, root, run_id, attempt)
+
+
+def declared_tables(root: Path) -> list[str]:
+    """Tables in the shards that collectors declared (``Collector.tables``): neither built-in nor ``dist_*``."""
+    known = set(BULK_TABLES) | set(OWN_TABLES) | set(RANK_TABLES)
+    try:
+        names = sorted(p.name for p in root.iterdir() if p.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [
+        t for t in names if t not in known and is_table_name(t) and not t.startswith("dist_") and shard_files(root, t)
+    ]
+
+
+def load_declared_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, attempt: int) -> None:
+    """One attempt's rows of every collector-declared table, every rank, into the run's table of that name
+    (created from the shards' columns when missing; a ``rank`` column comes from the shard folders)."""
+    for table in declared_tables(root):
+        select = f"SELECT * EXCLUDE (restart) REPLACE (? AS run_id) FROM {_source(root, table)} WHERE restart = ?"
+        con.execute(f"CREATE TABLE IF NOT EXISTS {table} AS {select} LIMIT 0", [run_id, attempt])
+        cols = [r[0] for r in con.execute(f"SELECT * FROM {table} LIMIT 0").description]
+        con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
+        picked = ", ".join(f'"{c}"' for c in cols)
+        con.execute(f"INSERT INTO {table} BY NAME SELECT {picked} FROM ({select})", [run_id, attempt])
 
 
 SizeKey = tuple[str | None, str | None]

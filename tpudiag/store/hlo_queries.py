@@ -1,7 +1,7 @@
 """Per-HLO-op device statistics of XLA runs (XProf's ``hlo_stats``), per chip and per op category.
 
 An HLO op is keyed the way XProf keys it: by its program (``program_id``) and its instruction name, summed over
-the chips that ran it.  Self and total time are the device's own spans (``xplane_events`` reads them from the
+the chips that ran it.  Self and total time are the device's own spans (``xplane_lines`` reads them from the
 events' ``device_offset_ps``/``device_duration_ps``); the ``Async XLA Ops`` line (async copies and collectives,
 overlapping compute) is summed apart, since its time is not the chip's busy time.
 """

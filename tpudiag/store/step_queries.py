@@ -1,9 +1,9 @@
 """What the step summary needs beyond the steps themselves: the span the trace's ops cover, and tpudiag's own time.
 
 tpudiag's own time inside the script is what the numerics checker spends in its ``tpudiag::`` profiler ranges (the
-oracle, the comparisons: ``kineto`` marks them ``tpudiag_overhead``) and the Python work of its dispatch mode (the
-self time of torch's ``PythonDispatchMode`` wrapper events).  Both run inside the user's steps, so a step's wall
-time holds them; the report shows them apart.
+oracle, the comparisons: ``kineto_tables`` marks them ``tpudiag_overhead``) and the Python work of its dispatch mode
+(the self time of torch's ``PythonDispatchMode`` wrapper events).  Both run inside the user's steps, so a step's
+wall time holds them; the report shows them apart.
 """
 
 from __future__ import annotations

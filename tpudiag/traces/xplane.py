@@ -25,7 +25,7 @@ from tpudiag.analysis.steps import detect_steps, step_array
 from tpudiag.analysis.tree import nest_arrays
 from tpudiag.errors import ImportFormatError
 from tpudiag.model import TraceEvent, arrow_schema
-from tpudiag.traces import decodepool, xplane_events
+from tpudiag.traces import decodepool, xplane_columns, xplane_events
 
 # Events DB category (the XLine name on device planes) -> our category.
 DEVICE_LINE_CATEGORIES = {
@@ -78,7 +78,7 @@ def load(path: Path, run_id: str, rank: int = 0, first_event_id: int = 0, parall
     return to_tables(events, run_id, rank=rank, first_event_id=first_event_id, host=host, prepared=prepared)
 
 
-def read_columns(path: Path) -> xplane_events.EventColumns:
+def read_columns(path: Path) -> xplane_columns.EventColumns:
     """XSpace file -> its events; an empty, truncated or corrupt file is one ImportFormatError."""
     data = _read_bytes(path)
     try:
@@ -96,7 +96,7 @@ def _read_bytes(path: Path) -> bytes:
     return data
 
 
-def _check(path: Path, events: xplane_events.EventColumns) -> None:
+def _check(path: Path, events: xplane_columns.EventColumns) -> None:
     if events.num_rows == 0:
         raise ImportFormatError(f"{path}: not a readable XPlane file (no trace events in it)")
 
@@ -121,7 +121,7 @@ class Prepared:
     args: Coded  # per group
 
 
-def prepare(ev: xplane_events.EventColumns, host: str) -> Prepared:
+def prepare(ev: xplane_columns.EventColumns, host: str) -> Prepared:
     """Nesting (per thread), HLO category and args (per group) of these events."""
     k = _Kinds.of(ev, host)
     threads: dict[tuple[str, str], int] = {}
@@ -144,14 +144,14 @@ def _join(head: Prepared, tail: Prepared) -> Prepared:
     )
 
 
-def _read_parallel(planes: list[Any], host: str) -> tuple[xplane_events.EventColumns, Prepared | None]:
+def _read_parallel(planes: list[Any], host: str) -> tuple[xplane_columns.EventColumns, Prepared | None]:
     """The planes from the byte midpoint on read (and prepared, when they share no device with the others) by a
     forked worker, which inherits ``planes``; the rest here meanwhile."""
     split = xplane_events.split_point(planes)
     devices = [{xplane_events.device_of(p.name) for p in part} for part in (planes[:split], planes[split:])]
     separate = devices[0].isdisjoint(devices[1])  # no thread spans both parts: nesting splits too
 
-    def part(which: list[Any]) -> tuple[xplane_events.EventColumns, Prepared | None]:
+    def part(which: list[Any]) -> tuple[xplane_columns.EventColumns, Prepared | None]:
         ev = xplane_events.read_planes(which)
         return ev, prepare(ev, host) if separate else None
 
@@ -163,7 +163,7 @@ def _read_parallel(planes: list[Any], host: str) -> tuple[xplane_events.EventCol
             worker.kill()
             raise decodepool.WorkerError("a plane did not decode") from None
         tail = worker.result()
-    events = xplane_events.concatenate(head[0], tail[0])
+    events = xplane_columns.concatenate(head[0], tail[0])
     return events, _join(head[1], tail[1]) if head[1] is not None and tail[1] is not None else None
 
 
@@ -178,7 +178,7 @@ class _Kinds:
     thread: list[str]
 
     @classmethod
-    def of(cls, ev: xplane_events.EventColumns, host: str) -> _Kinds:
+    def of(cls, ev: xplane_columns.EventColumns, host: str) -> _Kinds:
         g = ev.kinds
         line_cat: list[str] = [c or "" for c in g["category"]]
         on_device = np.array([c in DEVICE_LINE_CATEGORIES for c in line_cat], dtype=bool)
@@ -198,7 +198,7 @@ class _Kinds:
 
 
 def to_tables(
-    ev: xplane_events.EventColumns,
+    ev: xplane_columns.EventColumns,
     run_id: str,
     rank: int = 0,
     first_event_id: int = 0,
@@ -264,7 +264,7 @@ def to_tables(
     return XPlaneTables(events=table, steps=steps, devices=sorted(devices))
 
 
-def _group_categories(ev: xplane_events.EventColumns, kind_category: list[str]) -> list[str | None]:
+def _group_categories(ev: xplane_columns.EventColumns, kind_category: list[str]) -> list[str | None]:
     """Category of each group: its kind's, except host events that XLA's CPU (or GPU host) runtime stamps with the
     HLO op they run (an ``hlo_op`` stat: ``fusion.3`` on a ``tf_XLAEigen/...`` thread), which are the program's ops.
     The stat is looked for in the kind's and the group's own pairs apart (no per-group string is built)."""
@@ -314,7 +314,7 @@ class Coded:
         return pa.DictionaryArray.from_arrays(indices, pa.array(self.values or [""], pa.string()))
 
 
-def _hlo_category(ev: xplane_events.EventColumns, on_device: np.ndarray[Any, Any]) -> list[str | None]:
+def _hlo_category(ev: xplane_columns.EventColumns, on_device: np.ndarray[Any, Any]) -> list[str | None]:
     """``hlo_category`` of each device group: the first in its trace_args (its kind's pairs, then its own)."""
     kinds = [_first_hlo_category(a) for a in ev.kinds["trace_args"]]
     owns = [_first_hlo_category(a) for a in ev.own_pairs]
@@ -359,7 +359,7 @@ def _events_of(codes: np.ndarray[Any, Any], marked: list[bool]) -> list[int]:
 
 
 def _steps(
-    ev: xplane_events.EventColumns,
+    ev: xplane_columns.EventColumns,
     line_cat: list[str],
     kernel: list[str],
     start: np.ndarray[Any, Any],
@@ -393,7 +393,7 @@ def _step_number(text: str, pattern: re.Pattern[str] = _TRAILING_INT) -> int | N
     return value if value is not None and value < 2**63 else None
 
 
-def _step_numbers(ev: xplane_events.EventColumns, start: np.ndarray[Any, Any], steps: list[StepSpan]) -> pa.Array:
+def _step_numbers(ev: xplane_columns.EventColumns, start: np.ndarray[Any, Any], steps: list[StepSpan]) -> pa.Array:
     """The number in the event's step name (``step:12``), else the step whose interval holds its start."""
     by_time = step_array(start, steps).to_numpy(zero_copy_only=False)
     missing = np.isnan(by_time) if by_time.dtype.kind == "f" else np.zeros(len(by_time), dtype=bool)
@@ -411,7 +411,7 @@ _ARG_COLUMNS = ("hlo_module", "kernel_details", "tf_op_type")
 _JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps with options builds one per call
 
 
-def _args(ev: xplane_events.EventColumns) -> list[str | None]:
+def _args(ev: xplane_columns.EventColumns) -> list[str | None]:
     """The args JSON of each group: its kind's columns above, then the ``key=value`` pairs of its trace_args.
 
     Built from the kind's JSON and the own pairs' JSON where their keys do not overlap (the common case: a

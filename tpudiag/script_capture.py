@@ -1,0 +1,94 @@
+"""``tpudiag capture script.py``: the capture session around a script run as Python would run it.
+
+The store is opened only in short write sessions: at the first flush to register the run (status ``running``),
+periodically to load spooled parts, and once at the end.  That last one, with the analysis of the last trace chunk,
+runs in a detached child once the script's exit status is known (``sinks.StoreLater``; ``--wait`` keeps it in this
+process: ``sinks.StoreNow``).  A capture killed with SIGKILL leaves its run ``running`` with its spool on disk; the
+next tpudiag command on that host loads the spool and marks the run ``interrupted``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tpudiag import runner
+from tpudiag.capture_options import CaptureOptions, CaptureResult
+from tpudiag.clock import Clock, SystemClock
+from tpudiag.errors import StoreError, UsageError
+from tpudiag.plugins import load_collectors
+from tpudiag.run_setup import RunStart, prepare_run
+from tpudiag.session import CaptureSession
+from tpudiag.sinks import StoreLater, StoreNow
+from tpudiag.spool import Spool
+from tpudiag.store_access import open_store
+
+
+def _warn(text: str) -> None:
+    sys.stderr.write(f"tpudiag: {text}\n")
+    sys.stderr.flush()
+
+
+def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock | None = None) -> CaptureResult:
+    clock = clock or SystemClock()
+    runner.check_target(target)
+    # Threads started during set-up (DuckDB's, the profiler's, the flusher) leave SIGINT/SIGTERM to the thread
+    # that runs the script.
+    with runner.signals_to_main_thread():
+        # Absolute: the script may chdir, and no later write may follow it.
+        store = open_store(Path(options.db).absolute())
+        store.check_file()
+        collectors = load_collectors(options.collect)
+        script_path = Path(target.name) if target.kind == "script" else Path.cwd()
+        name = options.name or (Path(target.name).stem if target.kind == "script" else target.name)
+        run, run_dir = prepare_run(store, clock, RunStart(name, target.display, target.args, script_path), collectors)
+        sink = StoreNow(store) if options.wait else StoreLater(store)
+        session = CaptureSession(
+            run, run_dir, Spool(run_dir / "spool"), collectors, sink,
+            options=options.collector_options, clock=clock, flush_s=options.flush_interval_s,
+        )  # fmt: skip
+        session.start()
+    from tpudiag.distributed import spawn  # torch.multiprocessing.spawn workers become ranks of this run
+
+    spawned = spawn.install(
+        run.id, str(run_dir), options.collect, options.collector_options, options.flush_interval_s, session.note
+    )
+    outcome = runner.run(target)
+    if spawned is not None:
+        spawned.remove()
+        if spawned.used and isinstance(sink, StoreLater):
+            sink.keep_in_process()  # the spawned ranks are merged here, below
+    finished = session.stop(outcome)
+    delivered = session.deliver(finished)
+    if spawned is not None and delivered.stored:
+        spawn.merge_ranks(store, delivered.run, run_dir)
+    result = CaptureResult(run.id, outcome.exit_code, outcome.status, session.active, session.ctx, delivered.stored)
+    result.internal_errors = session.internal_errors_line
+    return result
+
+
+def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
+    """The capture command's body: capture, print the one closing line, return the script's exit code."""
+    from tpudiag.distributed.launcher_target import is_launcher, normalize
+
+    target = normalize(target)
+    if options.run_id and not is_launcher(target):
+        raise UsageError("--run-id joins the nodes of one distributed job: needs torchrun (-m torch.distributed.run)")
+    try:
+        if is_launcher(target):
+            from tpudiag.distributed import launch
+
+            result = launch.capture_launcher(target, options)
+        else:
+            result = capture_script(target, options)
+    except StoreError as err:
+        # The script may already have run; its data stays in the spool for the next command to recover.
+        _warn(str(err))
+        return err.exit_code
+    if result.internal_errors:
+        _warn(result.internal_errors)
+    for note in result.context.notes:
+        _warn(f"note: {note}")
+    later = "" if result.stored else " in the background (tpudiag commands wait for it)"
+    _warn(f"run {result.run_id} ({result.status}, exit {result.exit_code}) stored in {options.db}{later}")
+    return result.exit_code
