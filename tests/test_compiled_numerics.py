@@ -294,7 +294,10 @@ def test_compiled_rows_in_the_store_and_the_report(tmp_path: Path) -> None:
     assert by_region["compiled_graph"]["checked"] == 4 and by_region["compiled_graph"]["divergent_graphs"] == 1
     text = "\n".join(numerics_report.render_section(section))
     assert "FIRST DIVERGENCE: node " in text and "of compiled graph 0/0 in layers.1" in text
-    assert "1 divergent forward, 0 divergent backward, 1 localised to a node" in text
+    graphs = section["coverage"]["compiled_graphs"]
+    assert (graphs["divergent_graphs"], graphs["divergent_backward_graphs"], graphs["localised"]) == (1, 1, 1)
+    # The text says what the JSON says (it used to count forward graphs only: "1 divergent").
+    assert "1 divergent forward, 1 divergent backward, 1 localised to a node" in text
     # The dashboard's Numerics page reads the same rows.
     from tpudiag.app.numerics import first_divergence_fields
     from tpudiag.store import dashboard_queries
