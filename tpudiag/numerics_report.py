@@ -204,7 +204,8 @@ def render_section(section: dict[str, Any]) -> list[str]:
         lines.append(
             f"  torch.compile graphs (each replayed on a CPU float64 oracle): {compiled.get('graphs_checked', 0)} of "
             f"{compiled['graphs']} graphs checked, {compiled.get('graph_checks', 0)} of "
-            f"{compiled.get('graph_calls', 0)} calls; {compiled.get('divergent_graphs', 0)} divergent, "
+            f"{compiled.get('graph_calls', 0)} calls; {compiled.get('divergent_graphs', 0)} divergent forward, "
+            f"{compiled.get('divergent_backward_graphs', 0)} divergent backward, "
             f"{compiled.get('localised', 0)} localised to a node; calls skipped: {skipped_g}"
         )
         for repro in compiled.get("repros") or []:

@@ -48,6 +48,13 @@ class StatusLine:
         self.stream.flush()
         self._shown = False
 
+    def erase(self) -> None:
+        """Take the live line off a terminal (a closing line of its own follows); nothing on a pipe."""
+        if self._shown and self.tty:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+        self._shown = False
+
 
 class Progress:
     """Events done out of a known total (exporters): live on a terminal, one closing line everywhere."""

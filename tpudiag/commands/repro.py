@@ -28,7 +28,7 @@ import pathlib
 import torch
 
 from tpudiag.analysis.numerics_metrics import compare
-from tpudiag.analysis.verdict import Evidence, decide, op_kind
+from tpudiag.analysis.verdict import Evidence, decide, eps_of, op_kind, working_dtype
 from tpudiag.oracle import ops as oracle
 
 parser = argparse.ArgumentParser()
@@ -58,8 +58,13 @@ inputs = oracle.tensors_in(args, kwargs)
 for i, (act, exp, ref) in enumerate(zip(actual, expected, cpu_same)):
     m = compare(oracle.as_tensor(act).cpu(), oracle.as_tensor(exp))
     r = compare(oracle.as_tensor(ref), oracle.as_tensor(exp))
-    ev = Evidence(dtype=m.dtype, kind=op_kind(plan.name), scaled_error=m.scaled_error,
-                  ref_scaled_error=r.scaled_error if device != "cpu" else None, overflow=m.overflow,
+    # Judged as the capture judged it: a mixed-precision op at its least precise input's eps.
+    at = working_dtype(m.dtype, [str(t.dtype).removeprefix("torch.") for t in inputs])
+    f = eps_of(m.dtype) / eps_of(at)
+    ev = Evidence(dtype=at, kind=op_kind(plan.name),
+                  scaled_error=None if m.scaled_error is None else m.scaled_error * f,
+                  ref_scaled_error=r.scaled_error * f if device != "cpu" and r.scaled_error is not None else None,
+                  overflow=m.overflow,
                   nonfinite_mismatch=m.nonfinite_mismatch, mismatch_rate=m.mismatch_rate,
                   reduction_len=oracle.reduction_len(plan, inputs, actual))
     v = decide(ev)
