@@ -49,7 +49,7 @@ Renderer = Callable[[Any], list[str]]
 # name -> "module:builder_fn:renderer_fn"; sections are imported lazily and fail soft.
 SECTIONS: dict[str, str] = {
     "compile": "tpudiag.compile_report:build_section:render_section",
-    "numerics": "tpudiag.numerics_report:build_section:render_section",
+    "numerics": "tpudiag.distributed.rank_numerics:build_section:render_section",  # every rank's, in a job
     "hlo_ops": "tpudiag.hlo_report:build_section:render_section",
     "distributed": "tpudiag.distributed.report_section:build_section:render_section",
     "pulse": "tpudiag.longrun.report_section:build_pulse:render_pulse",

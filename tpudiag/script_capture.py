@@ -48,17 +48,19 @@ def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock 
             options=options.collector_options, clock=clock, flush_s=options.flush_interval_s,
         )  # fmt: skip
         session.start()
-    from tpudiag.distributed import spawn  # torch.multiprocessing.spawn workers become ranks of this run
+    from tpudiag.distributed import reach  # spawned and elastic-agent workers become ranks of this run
 
-    spawned = spawn.install(
-        run.id, str(run_dir), options.collect, options.collector_options, options.flush_interval_s, session.note
+    spawned = reach.install(
+        run.id, run_dir, options.collect, options.collector_options, options.flush_interval_s, session.ctx
     )
     outcome = runner.run(target)
     if spawned is not None:
         spawned.remove()
         if spawned.used and isinstance(sink, StoreLater):
-            sink.keep_in_process()  # the spawned ranks are merged here, below
+            sink.keep_in_process()  # the ranks are merged here, below
     finished = session.stop(outcome)
+    if spawned is not None:
+        finished = spawned.settle(finished)
     try:
         delivered = session.deliver(finished)
     except (StoreError, OSError) as err:
@@ -69,7 +71,7 @@ def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock 
         result.internal_errors = session.internal_errors_line
         return result
     if spawned is not None and delivered.stored:
-        spawn.merge_ranks(store, delivered.run, run_dir)
+        spawned.merge(store, delivered.run)
     result = CaptureResult(run.id, outcome.exit_code, outcome.status, session.active, session.ctx, delivered.stored)
     result.internal_errors = session.internal_errors_line
     return result
