@@ -33,11 +33,11 @@ from types import TracebackType
 from typing import Any
 
 from tpudiag import internal_errors, runner
+from tpudiag.plugins import CaptureContext
 
 PROBE_FIGURES = ("allocated_bytes", "reserved_bytes", "peak_bytes", "rss_bytes", "device_used_bytes")
 GROWTH_FACTOR = 1.25
 GROWTH_MIN_BYTES = 64 << 20
-from tpudiag.plugins import CaptureContext
 
 OOM_FILE = "oom.json"  # run_dir/memory/oom.json: the OOM record, for the trace window analysis to complete
 
