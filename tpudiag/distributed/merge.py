@@ -96,7 +96,12 @@ def finish(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection
     if main_tables:
         q.load_main_tables(con, root, run.id, last, lowest)
         store.summarize_run(run.id, con)
+    return outcome(run, infos)
 
+
+def outcome(run: Run, infos: list[dict[str, Any]]) -> Run:
+    """The run's status and notes from its rank records (first failure per attempt, restarts)."""
+    last = max(int(r["restart"]) for r in infos)
     notes = list(run.notes)
     status = run.status
     for attempt in sorted({int(r["restart"]) for r in infos}):

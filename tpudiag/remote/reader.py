@@ -62,9 +62,14 @@ class BucketShards:
     def files(self, table: str) -> list[str]:
         return sorted(self.by_table.get(table, []))
 
+    @staticmethod
+    def read(files: list[str]) -> str:
+        """A subquery over these objects (their ``node=`` partition dropped: a file column of no table)."""
+        names = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+        return f"(SELECT * EXCLUDE (node) FROM read_parquet([{names}], {_HIVE}))"
+
     def _remote(self, table: str) -> str:
-        files = ", ".join("'" + f.replace("'", "''") + "'" for f in self.files(table))
-        return f"(SELECT * EXCLUDE (node) FROM read_parquet([{files}], {_HIVE}))"
+        return self.read(self.files(table))
 
     def load(self, con: duckdb.DuckDBPyConnection) -> None:
         for table in self.by_table:
@@ -75,6 +80,22 @@ class BucketShards:
         return f'"remote_{table}"'
 
 
+def connect_remote(con: duckdb.DuckDBPyConnection, remote: Remote, fs: Any, source: BucketShards, run_id: str) -> None:
+    """Let ``con`` read the bucket's objects through ``fs`` (no DuckDB extension), quietly."""
+    import duckdb
+
+    with contextlib.suppress(duckdb.Error):  # Jupyter refuses the setting without ipywidgets (no bar there)
+        con.execute("SET enable_progress_bar = false")  # DuckDB draws it on stdout, the report's (--json)
+    if remote.protocol == "file":
+        return
+    con.register_filesystem(fs)
+    # One listing per table of this run fills the client's directory cache: DuckDB asks each object's size and
+    # time several times, which would otherwise be a HEAD request each.
+    for table in source.by_table:
+        with contextlib.suppress(Exception):
+            fs.find(remote.path("shards", table, f"run_id={run_id}"))
+
+
 def remote_report(remote: Remote, run_id: str | None, memory_limit: str | None = None) -> dict[str, Any]:
     import duckdb
 
@@ -83,19 +104,10 @@ def remote_report(remote: Remote, run_id: str | None, memory_limit: str | None =
     states = catalog.nodes(remote, fs, rid)
     con = duckdb.connect(":memory:")
     try:
-        with contextlib.suppress(duckdb.Error):  # Jupyter refuses the setting without ipywidgets (no bar there)
-            con.execute("SET enable_progress_bar = false")  # DuckDB draws it on stdout, the report's (--json)
         if memory_limit:
             con.execute(f"SET memory_limit = '{memory_limit}'")
-        if remote.protocol != "file":
-            con.register_filesystem(fs)
         source = BucketShards(remote, states)
-        if remote.protocol != "file":
-            # One listing per table of this run fills the client's directory cache: DuckDB asks each object's size
-            # and time several times, which would otherwise be a HEAD request each.
-            for table in source.by_table:
-                with contextlib.suppress(Exception):
-                    fs.find(remote.path("shards", table, f"run_id={rid}"))
+        connect_remote(con, remote, fs, source, rid)
         source.load(con)
         merge.load_rank_data(con, source, rid)
         section = section_from(con, rid)
