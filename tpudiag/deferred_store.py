@@ -120,12 +120,19 @@ def main(argv: list[str]) -> int:
     store = Store(db, finisher=finish)
     marker = pending_dir(store) / run_id
     try:
-        finish(store, run_id)
+        run = finish(store, run_id)
     except Exception as err:
         sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} run {run_id} not stored: {err!r}\n")
         raise
     marker.unlink(missing_ok=True)
     os.close(fd)
+    run_dir = store.run_dir(run_id)
+    if (run_dir / "upload" / "single.json").is_file():  # capture --remote of one process (tpudiag.remote.single)
+        from tpudiag.remote import single
+
+        why = single.publish_if_asked(store, run, run_dir)
+        if why:
+            sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {why}\n")
     with contextlib.suppress(TpudiagError):
         store.recover_stale_runs()  # what a capture used to do before its script: off every user's path now
     log = store.run_dir(run_id) / LOG_FILE
