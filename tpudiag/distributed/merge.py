@@ -76,7 +76,8 @@ def load_rank_data(con: duckdb.DuckDBPyConnection, root: q.Root, run_id: str) ->
     q.set_bytes(con, run_id, {p: collective_bytes(*p) for p in pairs})
     infos = q.ranks(con, run_id)
     lost = _lost_ranks(run_id, infos, q.present_ranks(con, root))
-    q.insert_arrow(con, RankInfo.TABLE, records_to_arrow(RankInfo, lost))
+    if lost:  # Arrow (and DuckDB's pandas scan) only when there is something to insert
+        q.insert_arrow(con, RankInfo.TABLE, records_to_arrow(RankInfo, lost))
     q.set_numerics_counts(con, run_id, q.numerics_counts(con, root))
     return q.ranks(con, run_id)
 

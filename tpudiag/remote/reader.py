@@ -79,6 +79,11 @@ class BucketShards:
     def source(self, table: str) -> str:
         return f'"remote_{table}"'
 
+    def drop(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Free the copies once the ``dist_*`` tables hold them (they would double what grows with ranks)."""
+        for table in self.by_table:
+            con.execute(f'DROP TABLE IF EXISTS "remote_{table}"')
+
 
 def connect_remote(con: duckdb.DuckDBPyConnection, remote: Remote, fs: Any, source: BucketShards, run_id: str) -> None:
     """Let ``con`` read the bucket's objects through ``fs`` (no DuckDB extension), quietly."""
@@ -86,6 +91,8 @@ def connect_remote(con: duckdb.DuckDBPyConnection, remote: Remote, fs: Any, sour
 
     with contextlib.suppress(duckdb.Error):  # Jupyter refuses the setting without ipywidgets (no bar there)
         con.execute("SET enable_progress_bar = false")  # DuckDB draws it on stdout, the report's (--json)
+    with contextlib.suppress(duckdb.Error):  # each object is read once: a cache of their bytes only costs memory
+        con.execute("SET enable_external_file_cache = false")
     if remote.protocol == "file":
         return
     con.register_filesystem(fs)
@@ -110,6 +117,7 @@ def remote_report(remote: Remote, run_id: str | None, memory_limit: str | None =
         connect_remote(con, remote, fs, source, rid)
         source.load(con)
         merge.load_rank_data(con, source, rid)
+        source.drop(con)
         section = section_from(con, rid)
     finally:
         con.close()

@@ -94,3 +94,31 @@ def publish(store: Store, run: Run, run_dir: Path, url: str) -> str | None:
 def publish_if_asked(store: Store, run: Run, run_dir: Path) -> str | None:
     url = asked(run_dir)
     return None if url is None else publish(store, run, run_dir, url)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m tpudiag.remote.single DB RUN_ID``: started by the detached store write once the run is stored
+    (``deferred_store``), with the stored run in ``upload/stored-run.json``."""
+    import dataclasses
+    import sys
+    import time
+
+    store = Store(argv[0])
+    run_dir = store.run_dir(argv[1])
+    try:
+        data = json.loads((folder(run_dir) / "stored-run.json").read_text())
+        known = {f.name for f in dataclasses.fields(Run)}
+        run = Run(**{k: v for k, v in data.items() if k in known})
+    except (OSError, ValueError, TypeError) as err:
+        sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} run {argv[1]} not uploaded: {err}\n")
+        return 1
+    why = publish_if_asked(store, run, run_dir)
+    if why:
+        sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {why}\n")
+    return 1 if why else 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

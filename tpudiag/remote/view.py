@@ -59,6 +59,7 @@ def load_view(store: Store, remote: Remote, run_id: str | None) -> Run:
             run = _main_tables(con, source, run, infos)
         else:
             run = dataclasses.replace(run, notes=[*run.notes, "no rank records in the bucket for this run yet"])
+        source.drop(con)
         store.put_run(run, con=con)
     return run
 
@@ -94,7 +95,5 @@ def _main_tables(con: Any, source: BucketShards, run: Run, infos: list[dict[str,
 
 def view_store(folder: Path, remote: Remote, run_id: str | None) -> tuple[Store, Run]:
     """A new view store under ``folder`` holding the run."""
-    from tpudiag.store_access import open_store
-
-    store = open_store(folder / "remote-view.duckdb", lock_timeout_s=30.0)
+    store = Store(folder / "remote-view.duckdb", lock_timeout_s=30.0)
     return store, load_view(store, remote, run_id)
