@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,9 @@ _PROJECTIONS = {
 }
 
 
+CHUNK = int(os.environ.get("TPUDIAG_REMOTE_CHUNK", "16"))  # objects per scan (see ``BucketShards.load``)
+
+
 class BucketShards:
     """The shard objects of one run, as ``distributed_queries`` reads them (a ``ShardSource``).
 
@@ -72,9 +76,18 @@ class BucketShards:
         return self.read(self.files(table))
 
     def load(self, con: duckdb.DuckDBPyConnection) -> None:
+        # A scan through a Python filesystem holds some memory per object until it ends: objects go in chunks of
+        # CHUNK, so the peak does not grow with the number of ranks.
         for table in self.by_table:
-            query = _PROJECTIONS.get(table, "SELECT * FROM {src}").format(src=self._remote(table))
-            con.execute(f'CREATE TEMP TABLE "remote_{table}" AS {query}')
+            files = self.files(table)
+            for start in range(0, len(files), CHUNK):
+                query = _PROJECTIONS.get(table, "SELECT * FROM {src}").format(
+                    src=self.read(files[start : start + CHUNK])
+                )
+                if start == 0:
+                    con.execute(f'CREATE TEMP TABLE "remote_{table}" AS {query}')
+                else:
+                    con.execute(f'INSERT INTO "remote_{table}" BY NAME {query}')
 
     def source(self, table: str) -> str:
         return f'"remote_{table}"'
