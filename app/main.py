@@ -21,6 +21,7 @@ pages = [
     st.Page(HERE / "views" / "slow_ops.py", title="Slow ops", url_path="slow-ops"),
     st.Page(HERE / "views" / "numerics.py", title="Numerics", url_path="numerics"),
     st.Page(HERE / "views" / "compilation.py", title="Compile", url_path="compile"),
+    st.Page(HERE / "views" / "memory.py", title="Memory", url_path="memory"),
     st.Page(HERE / "views" / "compare.py", title="Compare", url_path="compare"),
     st.Page(HERE / "views" / "ranks.py", title="Ranks", url_path="ranks"),
 ]

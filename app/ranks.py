@@ -12,12 +12,12 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from tpudiag.app.common import chart_text, current_run, guarded, run_heading
-from tpudiag.distributed import report_section
+from tpudiag.distributed import rank_numerics, report_section
 from tpudiag.store import Store, queries
 
 RANK_COLUMNS = (
     "rank", "status", "host", "pid", "steps", "step_median_s", "step_max_s", "collectives", "collective_s",
-    "numerics_failures", "exit_code", "error",
+    "numerics", "numerics_failures", "numerics_checked", "exit_code", "error",
 )  # fmt: skip
 
 
@@ -25,7 +25,15 @@ def rank_rows(section: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per rank; a ``chip`` column (TorchTPU's rank -> global device id) only when some rank has one."""
     chips = any(r.get("chip") is not None for r in section["ranks"])
     columns = (*RANK_COLUMNS[:3], "chip", *RANK_COLUMNS[3:]) if chips else RANK_COLUMNS
-    return [{k: r.get(k) for k in columns} for r in section["ranks"]]
+    return [{k: report_section.numerics_cell(r) if k == "numerics" else r.get(k) for k in columns}
+            for r in section["ranks"]]  # fmt: skip
+
+
+def rank_numerics_text(s: Store, run: dict[str, Any]) -> str | None:
+    """Which ranks' ops diverge from the oracle and which agree (the report's numerics section), or None."""
+    section = rank_numerics.build_section(s, run)
+    ranks = (section or {}).get("ranks")
+    return str(ranks["text"]) if ranks else None
 
 
 def straggler_rows(section: dict[str, Any]) -> list[dict[str, Any]]:
@@ -90,6 +98,9 @@ def render(s: Store) -> None:
     st.text(f"Collective mismatch at collective #{mismatch['seq']}: {mismatch['text']}" if mismatch
             else "Collectives: every rank ran the same sequence.")  # fmt: skip
     st.text(f"Numerics: {divergence['text']}" if divergence else "Numerics: parameter and gradient fingerprints agree.")
+    across = rank_numerics_text(s, run)
+    if across:
+        st.text(f"Divergent ops against the oracle: {across}")
     if compiles:
         for r in compiles["ranks"]:
             st.text(f"Compile divergence: rank {r['rank']} compiled {r['compile']}, recompiled {r['recompile']}")

@@ -96,6 +96,8 @@ class TraceCollector:
         if torch.cuda.is_available():
             self._activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._with_stack = bool(ctx.options.get("with_stack"))
+        # The allocator's events, for the memory collector's per-module and per-op view (collectors/memory_window.py)
+        self._profile_memory = bool(ctx.options.get("profile_memory"))
         self._chunk_s = float(ctx.options.get("trace_chunk_s") or os.environ.get("TPUDIAG_TRACE_CHUNK_S") or 30.0)
         record_function = torch.autograd.profiler.record_function
         root_inputs = self._root_inputs
@@ -159,6 +161,7 @@ class TraceCollector:
     def finish(self, ctx: CaptureContext, job: dict[str, Any]) -> None:
         """The deferred analysis of the last chunk (the job ``stop`` left with ``ctx.defer``), in any process."""
         path = Path(job["path"])
+        ctx.options.setdefault("profile_memory", bool(job.get("profile_memory")))
         # Parts named after the chunk: a finish retried after its process died rewrites them, never duplicates.
         events, _steps = _analyse_chunk(
             ctx, path, job["first_event_id"], job["first_step"], job["sources"], job["roots"], part=path.stem
@@ -214,6 +217,7 @@ class TraceCollector:
                 activities=self._activities + extra.get("activities", []),
                 record_shapes=True,
                 with_stack=self._with_stack,
+                profile_memory=self._profile_memory,
                 experimental_config=extra.get("experimental_config"),
             )
             _quiet_stderr(prof.start)
@@ -304,6 +308,7 @@ class TraceCollector:
             "first_step": self._steps_done,
             "sources": dict(self._tracker.sources) if self._tracker else None,
             "roots": self._root_inputs[self._roots_done :],
+            "profile_memory": self._profile_memory,
         }
         self._roots_done = len(self._root_inputs)
         self._ctx.defer(self, job)
@@ -338,4 +343,8 @@ def _analyse_chunk(
     )
     ctx.spool.write_table("trace_events", tables.events, part=part)
     ctx.spool.write_table("steps", kineto_tables.steps_table(tables.steps, ctx.run_id), part=part)
+    with internal_errors.current().guard("memory", "analyse a trace window's memory"):
+        from tpudiag.collectors import memory_window
+
+        memory_window.spool_window(ctx, path, trace, tables, part=part)
     return len(trace), len(tables.steps)

@@ -82,7 +82,7 @@ def test_default_capture_behaves_as_plain_python(case: str, tmp_path: Path) -> N
 
     report = json.loads(run_tpudiag("report", "--db", str(db), "--json", cwd=REPO).stdout)
     assert report["run"]["status"] == "ok"
-    assert report["run"]["collectors"] == ["trace", "compile", "numerics"]
+    assert report["run"]["collectors"] == ["trace", "compile", "memory", "numerics"]
     assert not any("internal errors" in n for n in report["run"]["notes"])
     numerics = report["numerics"]
     assert numerics["coverage"]["ops_checked"] > 0, numerics["coverage"]

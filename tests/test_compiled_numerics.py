@@ -294,7 +294,10 @@ def test_compiled_rows_in_the_store_and_the_report(tmp_path: Path) -> None:
     assert by_region["compiled_graph"]["checked"] == 4 and by_region["compiled_graph"]["divergent_graphs"] == 1
     text = "\n".join(numerics_report.render_section(section))
     assert "FIRST DIVERGENCE: node " in text and "of compiled graph 0/0 in layers.1" in text
-    assert "1 divergent, 1 localised to a node" in text
+    graphs = section["coverage"]["compiled_graphs"]
+    assert (graphs["divergent_graphs"], graphs["divergent_backward_graphs"], graphs["localised"]) == (1, 1, 1)
+    # The text says what the JSON says (it used to count forward graphs only: "1 divergent").
+    assert "1 divergent forward, 1 divergent backward, 1 localised to a node" in text
     # The dashboard's Numerics page reads the same rows.
     from tpudiag.app.numerics import first_divergence_fields
     from tpudiag.store import dashboard_queries
@@ -384,6 +387,9 @@ def test_planted_backward_miscompile_fails_the_gradients_only(tmp_path: Path) ->
     )
     text = "\n".join(numerics_report.render_section(section))
     assert "FIRST DIVERGENCE: node tanh_1 (aten.tanh.default) of compiled graph 0/0 in layers.1 (backward)" in text
+    # The text counts what the JSON counts: the divergent graph is a backward one (issue 19 said "0 divergent").
+    assert section["coverage"]["compiled_graphs"]["divergent_backward_graphs"] == 1
+    assert "0 divergent forward, 1 divergent backward, 1 localised to a node" in text
 
 
 def test_planted_backward_miscompile_with_dynamic_shapes_is_localised(tmp_path: Path) -> None:

@@ -59,3 +59,53 @@ def test_tiny_gpt2_compiled_has_no_divergent_graph_and_is_unchanged(tmp_path: Pa
     assert summary["errors"] == [] and not [o for o in ops if not o.checked]
     assert diffs and {d.verdict for d in diffs} == {"pass"}
     assert not [d for d in diffs if d.role == "originator"]
+
+
+@pytest.mark.slow
+def test_module_and_gradient_names_of_a_compiled_hf_model_have_no_stray_index() -> None:
+    """transformers wraps its models' forwards in ``*args`` decorators, so Dynamo names the root module
+    ``L['args'][0]``: forward and backward rows named ``0.model.norm`` (issue 19).  Names must be the eager ones."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from tpudiag.collectors.numerics.compiled import nodes
+    from tpudiag.collectors.numerics.compiled.rows import _param_name
+
+    names: dict[str, set[str]] = {"dynamo": set(), "forward": set(), "backward": set()}
+    sources: list[str] = []
+
+    def record(tag: str) -> Any:
+        def compiler(gm: Any, example_inputs: Any) -> Any:
+            names[tag].update(m for n in gm.graph.nodes if (m := nodes.module_of(n)))
+            return gm.forward
+
+        return compiler
+
+    inner = aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        names["dynamo"].update(m for n in gm.graph.nodes if (m := nodes.module_of(n)))
+        for n in gm.graph.nodes:
+            arg = n.meta.get("grapharg") if n.op == "placeholder" else None
+            if arg is not None and getattr(arg, "source", None) is not None:
+                sources.append(arg.source.name)
+        return inner(gm, example_inputs)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 100, (2, 8))
+    torch.compile(model, backend=backend)(input_ids=ids, labels=ids).loss.backward()
+    eager = {name for name, _ in model.named_modules() if name}
+    assert "model.norm" in names["dynamo"] and "model.norm" in names["backward"]
+    for tag, found in names.items():
+        assert found and found <= eager, (tag, sorted(found - eager))
+    params = {_param_name(s) for s in sources if "_parameters" in s}
+    assert "model.norm.weight" in params and params <= {name for name, _ in model.named_parameters()}, params

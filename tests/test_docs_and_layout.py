@@ -52,7 +52,7 @@ def test_every_subcommand_is_documented_with_help() -> None:
 
 def test_every_report_section_is_built_into_the_report_and_rendered(tmp_path: Path) -> None:
     from tests.factories import make_run, store_with
-    from tpudiag.model import CompileEvent, OpDiff, OpRecord
+    from tpudiag.model import CompileEvent, MemoryStep, OpDiff, OpRecord
     from tpudiag.store import Store, queries
 
     store = Store(tmp_path / "store.duckdb")
@@ -74,6 +74,9 @@ def test_every_report_section_is_built_into_the_report_and_rendered(tmp_path: Pa
         },
         "compile": lambda rid: {
             CompileEvent: [CompileEvent(rid, 0, "compile", function="f", file="a.py", line=3, duration_s=0.5)]
+        },
+        "memory": lambda rid: {
+            MemoryStep: [MemoryStep(rid, 0, "sampler", 1, "cpu", rss_bytes=1 << 20, sources='{"rss_bytes": "/proc"}')]
         },
     }
     from tests.factories import make_event

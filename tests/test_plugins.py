@@ -110,6 +110,7 @@ def test_builtins_are_registered_as_entry_points_of_tpudiag_itself() -> None:
         "trace": "tpudiag.collectors.trace:TraceCollector",
         "compile": "tpudiag.collectors.compile:CompileCollector",
         "numerics": "tpudiag.collectors.numerics:NumericsCollector",
+        "memory": "tpudiag.collectors.memory:MemoryCollector",
     }
     assert set(exporters) == {"tensorboard", "perfetto", "parquet"}
     # The core names no collector module: only the entry points do.
@@ -155,7 +156,7 @@ def test_a_third_party_collector_and_exporter_are_loaded_and_used(tmp_path: Path
 
     # Every available collector by default: the built-ins (never the hijacked one) and the plugin.
     listed = run_tpudiag("capture", "--db", str(db), "--collect", "nope", str(script), cwd=tmp_path, env=env)
-    assert "available: acme, compile, numerics, trace" in listed.stderr, listed.stderr
+    assert "available: acme, compile, memory, numerics, trace" in listed.stderr, listed.stderr
 
     out = tmp_path / "acme-out"
     exp = run_tpudiag("export", "--db", str(db), run["id"], "--format", "acme", "--out", str(out), env=env)

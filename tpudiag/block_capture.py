@@ -91,6 +91,8 @@ class BlockCapture:
         """Stop collecting and store the run (idempotent); the stored record."""
         assert self.session is not None, "start() first"
         if self.delivered is None:
+            if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                runner.tell_failure(exc)  # e.g. the memory collector reads an out-of-memory error
             self.delivered = self.session.deliver(self.session.stop(outcome_of(exc)))
             sys.stderr.flush()
         return self.delivered.run

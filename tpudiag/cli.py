@@ -92,6 +92,10 @@ def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
         if collect == ["none"]:
             collect = []
     collector_options: dict[str, Any] = {"with_stack": args.with_stack}
+    if args.profile_memory:
+        collector_options["profile_memory"] = True
+    if args.memory_dispatch:
+        collector_options["memory_dispatch"] = True
     for key in ("numerics", "budget", "ops", "modules", "trace_ranks", "numerics_ranks"):
         value = getattr(args, key, None)
         if value is not None:
@@ -211,6 +215,18 @@ def build_parser(extra_commands: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--name", help="name of the run (default: the script's name)")
     p.add_argument("--collect", help="comma-separated collectors, or none (default: every available one)")
     p.add_argument("--with-stack", action="store_true", help="record Python stacks in the trace (slower)")
+    p.add_argument(
+        "--profile-memory",
+        action="store_true",
+        help="record the allocator's events in the trace: live bytes over time, what was live at the peak by "
+        "module and op, the largest allocations (slower; the memory collector's per-step figures need no flag)",
+    )
+    p.add_argument(
+        "--memory-dispatch",
+        action="store_true",
+        help="memory collector: count live tensor bytes at dispatch, by module and op (where the profiler records "
+        "no device memory events, e.g. TorchTPU; a dispatch mode makes torch.compile run eagerly)",
+    )
     p.add_argument(
         "--wait",
         action="store_true",

@@ -198,7 +198,116 @@ class CompileEvent:
     failed: bool = False  # the compilation (Dynamo frame, backend, TorchTPU executable) failed
 
 
-RECORD_TYPES: tuple[type[Any], ...] = (Run, TraceEvent, Step, OpRecord, OpDiff, CompileEvent)
+# -- memory collector tables (issue 22) ----------------------------------------------------------------------------
+# One marked place so they can move to the collector's own table declarations (CaptureSession) later.
+@dataclass(frozen=True)
+class MemoryStep:
+    """Memory figures of one step.  ``origin`` "sampler": read at the step's end from the backend (allocator, libtpu,
+    /proc); "profiler": from the profiler's allocator events inside the step.  Unknown figures are None, never 0."""
+
+    TABLE: ClassVar[str] = "memory_steps"
+
+    run_id: str
+    step: int
+    origin: str  # "sampler" | "profiler"
+    ts_ns: int | None = None
+    device: str | None = None  # "cuda:0" | "tpu:0" | "cpu"
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    peak_bytes: int | None = None
+    rss_bytes: int | None = None
+    device_used_bytes: int | None = None  # whole-device usage (libtpu hbm_capacity_usage), not just the allocator's
+    limit_bytes: int | None = None
+    sources: str | None = None  # JSON {figure: source}, e.g. {"peak_bytes": "torch.cuda.max_memory_allocated"}
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryBlock:
+    """Bytes held by one (module, op, shapes) group: ``kind`` "at_peak" (live at the window's peak), "at_oom" (live
+    when the failing op started) or "top_alloc" (one of the largest single allocations)."""
+
+    TABLE: ClassVar[str] = "memory_blocks"
+
+    run_id: str
+    window_id: int  # the trace chunk (profiler session) it came from
+    kind: str
+    bytes: int
+    method: str  # "profiler" (Kineto memory events) | "dispatch" (live tensor bytes counted at dispatch)
+    count: int = 1
+    device: str | None = None
+    module: str | None = None
+    op: str | None = None
+    shapes: str | None = None
+    step: int | None = None
+    ts_ns: int | None = None
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """Live bytes over a window (downsampled: at most a few thousand points a window, the peak always kept)."""
+
+    TABLE: ClassVar[str] = "memory_timeline"
+
+    run_id: str
+    window_id: int
+    ts_ns: int
+    allocated_bytes: int
+    method: str
+    reserved_bytes: int | None = None
+    device: str | None = None
+    step: int | None = None
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryOom:
+    """The out-of-memory error that ended the script."""
+
+    TABLE: ClassVar[str] = "memory_oom"
+
+    run_id: str
+    kind: str  # "torch_oom" | "cpu_alloc" | "xla_hbm" | "xla_resource"
+    message: str
+    phase: str | None = None  # "compile" | "runtime" | None (not said)
+    step: int | None = None
+    module: str | None = None
+    op: str | None = None
+    requested_bytes: int | None = None
+    live_bytes: int | None = None
+    limit_bytes: int | None = None
+    last_good_peak_bytes: int | None = None
+    memory_space: str | None = None  # XLA: "hbm" | "vmem" | "smem" | "host"
+    exception: str | None = None  # the exception's type name
+    op_source: str | None = None  # how ``op`` was found: "profiler" | None
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryOomAlloc:
+    """One row of XLA's "Largest program allocations" table in an out-of-memory message."""
+
+    TABLE: ClassVar[str] = "memory_oom_allocs"
+
+    run_id: str
+    position: int  # its number in XLA's table (1 = largest)
+    size_bytes: int | None = None
+    shape: str | None = None
+    operator: str | None = None
+    unpadded_bytes: int | None = None
+    padding_bytes: int | None = None
+    expansion: float | None = None
+    xla_label: str | None = None
+    allocation_type: str | None = None
+    rank: int = 0
+
+
+MEMORY_RECORDS: tuple[type[Any], ...] = (MemoryStep, MemoryBlock, MemoryPoint, MemoryOom, MemoryOomAlloc)
+# -- end of the memory collector tables ----------------------------------------------------------------------------
+
+
+RECORD_TYPES: tuple[type[Any], ...] = (Run, TraceEvent, Step, OpRecord, OpDiff, CompileEvent, *MEMORY_RECORDS)
 BULK_TABLES: dict[str, type[Any]] = {c.TABLE: c for c in RECORD_TYPES if c is not Run}
 
 # Tables a collector declares (``Collector.tables``): registered when the collector is loaded, so the spool and the

@@ -151,6 +151,8 @@ def _fmt(v: Any) -> str:
 
 def _describe(e: dict[str, Any]) -> str:
     source = e.get("source_short") or e["source"] or "source unknown"
+    if e.get("rank") is not None:  # a distributed run: every rank's divergent ops (distributed.rank_numerics)
+        return f"rank {e['rank']}: " + _describe({**e, "rank": None})
     if e.get("region") == "compiled_node":
         return (
             f"node {e.get('node')} ({e['op']}) of compiled graph {e.get('graph')} in {e['module'] or '(no module)'} "
@@ -202,7 +204,8 @@ def render_section(section: dict[str, Any]) -> list[str]:
         lines.append(
             f"  torch.compile graphs (each replayed on a CPU float64 oracle): {compiled.get('graphs_checked', 0)} of "
             f"{compiled['graphs']} graphs checked, {compiled.get('graph_checks', 0)} of "
-            f"{compiled.get('graph_calls', 0)} calls; {compiled.get('divergent_graphs', 0)} divergent, "
+            f"{compiled.get('graph_calls', 0)} calls; {compiled.get('divergent_graphs', 0)} divergent forward, "
+            f"{compiled.get('divergent_backward_graphs', 0)} divergent backward, "
             f"{compiled.get('localised', 0)} localised to a node; calls skipped: {skipped_g}"
         )
         for repro in compiled.get("repros") or []:

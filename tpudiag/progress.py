@@ -10,6 +10,8 @@ import sys
 import time
 from typing import IO
 
+from tpudiag.console import prefix
+
 
 class StatusLine:
     """``line("text")`` shows ``tpudiag: text`` at most once per ``interval_s`` (``force=True`` always)."""
@@ -28,11 +30,11 @@ class StatusLine:
             return
         self._last = now
         if self.tty:
-            self.stream.write(f"\rtpudiag: {text}\x1b[K")
+            self.stream.write(f"\r{prefix()}: {text}\x1b[K")
         elif self.live_only:
             return
         else:
-            self.stream.write(f"tpudiag: {text}\n")
+            self.stream.write(f"{prefix()}: {text}\n")
         self.stream.flush()
         self._shown = True
 
@@ -40,10 +42,17 @@ class StatusLine:
         """End the line: with ``final``, replace it by that text (shown on a pipe too)."""
         if final is not None:
             start = "\r" if self.tty else ""
-            self.stream.write(f"{start}tpudiag: {final}" + ("\x1b[K\n" if self.tty else "\n"))
+            self.stream.write(f"{start}{prefix()}: {final}" + ("\x1b[K\n" if self.tty else "\n"))
         elif self._shown and self.tty:
             self.stream.write("\n")
         self.stream.flush()
+        self._shown = False
+
+    def erase(self) -> None:
+        """Take the live line off a terminal (a closing line of its own follows); nothing on a pipe."""
+        if self._shown and self.tty:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
         self._shown = False
 
 

@@ -1,7 +1,7 @@
 """The run report: one JSON object (``report --json``) and its text rendering.
 
 Sections other issues add (numerics, compile) register a builder and a renderer in ``SECTIONS``; the report keys
-stay stable: ``run``, ``slow_ops``, ``steps``, ``numerics``, ``compile``.
+stay stable: ``run``, ``slow_ops``, ``steps``, ``numerics``, ``compile``, ``memory``.
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ Renderer = Callable[[Any], list[str]]
 # name -> "module:builder_fn:renderer_fn"; sections are imported lazily and fail soft.
 SECTIONS: dict[str, str] = {
     "compile": "tpudiag.compile_report:build_section:render_section",
-    "numerics": "tpudiag.numerics_report:build_section:render_section",
+    "numerics": "tpudiag.distributed.rank_numerics:build_section:render_section",  # every rank's, in a job
     "hlo_ops": "tpudiag.hlo_report:build_section:render_section",
     "distributed": "tpudiag.distributed.report_section:build_section:render_section",
+    "memory": "tpudiag.memory_report:build_section:render_section",
 }
 
 
@@ -101,6 +102,7 @@ def build(store: Store, run: dict[str, Any], top: int = 20) -> dict[str, Any]:
         "numerics": None,
         "compile": None,
         "hlo_ops": None,
+        "memory": None,
     }
     for key, spec in SECTIONS.items():
         builder, _ = _load_section(spec)

@@ -14,7 +14,7 @@ import runpy
 import signal
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -44,6 +44,29 @@ class Outcome:
 # when ``runpy`` returns would destroy the script's objects mid-process: a DDP model's gloo process group then joins
 # its worker thread while holding the GIL that thread waits for (a hang seen in torchrun workers under capture).
 _SCRIPT_GLOBALS: list[dict[str, object]] = []
+
+
+# Called with the exception that ends the script, before its traceback is printed (the memory collector reads an
+# out-of-memory error there).  A listener must not print or raise; what it raises is dropped.
+_failure_listeners: list[Callable[[BaseException], None]] = []
+
+
+def add_failure_listener(listener: Callable[[BaseException], None]) -> Callable[[], None]:
+    """Call ``listener(exc)`` when the script ends with an exception; returns a function that removes it."""
+    _failure_listeners.append(listener)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            _failure_listeners.remove(listener)
+
+    return remove
+
+
+def tell_failure(exc: BaseException) -> None:
+    """Give ``exc`` (the exception that ends the script or a captured block) to the failure listeners."""
+    for listener in list(_failure_listeners):
+        with contextlib.suppress(Exception):
+            listener(exc)
 
 
 class Terminated(BaseException):
@@ -156,6 +179,7 @@ def run(target: Target) -> Outcome:
     except Terminated:
         return Outcome(143, "interrupted", "SIGTERM")
     except BaseException as exc:
+        tell_failure(exc)
         summary = _print_exception(exc)
         return Outcome(1, "failed", summary)
     finally:

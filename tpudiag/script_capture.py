@@ -52,20 +52,22 @@ def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock 
 
             single.prepare(options.remote, run_dir)
         session.start()
-    from tpudiag.distributed import spawn  # torch.multiprocessing.spawn workers become ranks of this run
+    from tpudiag.distributed import reach  # spawned and elastic-agent workers become ranks of this run
 
-    spawned = spawn.install(
-        run.id, str(run_dir), options.collect, options.collector_options, options.flush_interval_s, session.note
+    spawned = reach.install(
+        run.id, run_dir, options.collect, options.collector_options, options.flush_interval_s, session.ctx
     )
     outcome = runner.run(target)
     if spawned is not None:
         spawned.remove()
         if spawned.used and isinstance(sink, StoreLater):
-            sink.keep_in_process()  # the spawned ranks are merged here, below
+            sink.keep_in_process()  # the ranks are merged here, below
     finished = session.stop(outcome)
+    if spawned is not None:
+        finished = spawned.settle(finished)
     delivered = session.deliver(finished)
     if spawned is not None and delivered.stored:
-        spawn.merge_ranks(store, delivered.run, run_dir)
+        spawned.merge(store, delivered.run)
     if options.remote and delivered.stored:  # else the detached child that stores the run publishes it
         from tpudiag.remote import single
 

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from tpudiag import console
 from tpudiag.plugins import CaptureContext
 
 PROGRESS_INTERVAL_TTY_S = 0.5
@@ -231,7 +232,7 @@ class NumericsCollector:
         self._progress_stop.set()
         if self._progress is not None:
             self._progress.join(timeout=5)
-        self._clear_progress()
+        self._clear_progress(erase=True)
         from tpudiag.collectors import module_calls
 
         parts: list[Any] = [self._tracker, self._backward, self._step_hook]
@@ -253,6 +254,9 @@ class NumericsCollector:
                 "compiled_frames": self._compiles,
                 "seconds_checking": round(self._mode.budget.extra_s, 3),
                 "shadow_dropped": self._mode.shadow.dropped,
+                # Kept float64 copies found changed without a version bump (fused/foreach/compiled writes): each
+                # would have fed the oracle an old value; they were refused and copied afresh.
+                "copies_stale": self._mode.copies.stale,
             }
         )
         self._settings["precision"]["autocast_seen"] = sorted(self._mode.autocast_seen)
@@ -303,11 +307,9 @@ class NumericsCollector:
             self._ctx.note("numerics: no aten ops were seen (did the script run any torch ops?)")
         elif f.checked == 0:
             self._ctx.note(f"numerics: WARNING: {f.seen} ops seen but none checked (see the report's coverage)")
-        sys.stderr.write(
-            f"tpudiag: numerics: {f.seen} ops seen, {f.checked} checked, {f.originators} originator(s)"
-            + (f", first divergence {f.first}" if f.first else "")
-            + "\n"
-        )
+        # The one closing line (the live status line, same words, was erased when checking stopped).
+        closing = _counts_line(f) + (f", first divergence {f.first}" if f.first else "")
+        sys.stderr.write(f"{console.prefix()}: {closing}\n")
         sys.stderr.flush()
 
     # -- helpers ----------------------------------------------------------------------------------------------
@@ -484,7 +486,7 @@ class NumericsCollector:
         if self._recorder.findings.originators == 1:
             self._clear_progress()
             sys.stderr.write(
-                f"tpudiag: numerics: first divergence: {record.op} seq {record.seq} "
+                f"{console.prefix()}: numerics: first divergence: {record.op} seq {record.seq} "
                 f"({record.module or 'no module'}, {record.phase}, {record.source_loc or '?'}): {diff.verdict}\n"
             )
             sys.stderr.flush()
@@ -497,16 +499,14 @@ class NumericsCollector:
         while not self._progress_stop.wait(interval):
             f = self._recorder.findings
             with contextlib.suppress(Exception):
-                status(
-                    f"numerics: {f.seen:,} ops seen, {f.checked:,} checked, {f.originators} originator(s), "
-                    f"{f.divergent} divergent"
-                )
+                status(_counts_line(f))
 
-    def _clear_progress(self) -> None:
+    def _clear_progress(self, erase: bool = False) -> None:
+        """End the live line before other text; ``erase`` takes it off the terminal (the closing line follows)."""
         status = getattr(self, "_status", None)
         if status is not None:
             with contextlib.suppress(Exception):
-                status.done()
+                status.erase() if erase else status.done()
 
     def _register_compile_callback(self) -> None:
         with contextlib.suppress(Exception):
@@ -620,3 +620,8 @@ def _calibrate_overhead(calls: int = 300) -> float:
         costs.append((moded - plain) / calls)
     # The mode measures its own Python time per call; this is the part it cannot see (entering Python).
     return max(0.0, min(costs))
+
+
+def _counts_line(f: Any) -> str:
+    """The numerics counts, as the live status line and the closing line both say them."""
+    return f"numerics: {f.seen:,} ops seen, {f.checked:,} checked, {f.originators} originator(s)"

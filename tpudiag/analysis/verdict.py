@@ -15,6 +15,7 @@ worse than the CPU kernel (k = 2 for fp32, 3 for 16-bit floats, as in dynamo's f
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 VERDICTS = ("pass", "fail", "overflow", "expected_precision", "skip")
@@ -390,6 +391,26 @@ def op_kind(op: str) -> str:
 
 def eps_of(dtype: str) -> float:
     return EPS.get(dtype.removeprefix("torch."), EPS["float32"])
+
+
+_REAL_FLOATS = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def working_dtype(output: str, inputs: Iterable[str]) -> str:
+    """The precision an output is judged at: its own dtype, or its least precise floating input's when coarser.
+
+    A mixed-precision kernel works at its inputs' precision: under bf16 autocast a layer norm's backward takes bf16
+    activations and gradients with float32 weights and writes float32 weight and bias gradients, rounded as bf16
+    work is.  Judged at float32 eps those correct gradients read as 2e4 eps divergences (issue 19, an Accelerator
+    loop with bf16 autocast on the CPU).
+    """
+    if output not in _REAL_FLOATS:
+        return output
+    worst = output
+    for d in inputs:
+        if d in _REAL_FLOATS and EPS[d] > EPS[worst]:
+            worst = d
+    return worst
 
 
 def threshold(kind: str, dtype: str, reduction_len: int = 1) -> float:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tpudiag.distributed import rank_repro
 from tpudiag.errors import TpudiagError, UnknownRunError, UsageError
 from tpudiag.store import numerics_queries, queries
 from tpudiag.store_access import open_store
@@ -27,7 +28,7 @@ import pathlib
 import torch
 
 from tpudiag.analysis.numerics_metrics import compare
-from tpudiag.analysis.verdict import Evidence, decide, op_kind
+from tpudiag.analysis.verdict import Evidence, decide, eps_of, op_kind, working_dtype
 from tpudiag.oracle import ops as oracle
 
 parser = argparse.ArgumentParser()
@@ -57,8 +58,13 @@ inputs = oracle.tensors_in(args, kwargs)
 for i, (act, exp, ref) in enumerate(zip(actual, expected, cpu_same)):
     m = compare(oracle.as_tensor(act).cpu(), oracle.as_tensor(exp))
     r = compare(oracle.as_tensor(ref), oracle.as_tensor(exp))
-    ev = Evidence(dtype=m.dtype, kind=op_kind(plan.name), scaled_error=m.scaled_error,
-                  ref_scaled_error=r.scaled_error if device != "cpu" else None, overflow=m.overflow,
+    # Judged as the capture judged it: a mixed-precision op at its least precise input's eps.
+    at = working_dtype(m.dtype, [str(t.dtype).removeprefix("torch.") for t in inputs])
+    f = eps_of(m.dtype) / eps_of(at)
+    ev = Evidence(dtype=at, kind=op_kind(plan.name),
+                  scaled_error=None if m.scaled_error is None else m.scaled_error * f,
+                  ref_scaled_error=r.scaled_error * f if device != "cpu" and r.scaled_error is not None else None,
+                  overflow=m.overflow,
                   nonfinite_mismatch=m.nonfinite_mismatch, mismatch_rate=m.mismatch_rate,
                   reduction_len=oracle.reduction_len(plan, inputs, actual))
     v = decide(ev)
@@ -81,16 +87,21 @@ def register(sub: Any) -> None:
     p.add_argument("run", help="run id or unique name")
     p.add_argument("seq", type=int, help="the op's sequence number (from tpudiag report)")
     p.add_argument("--out", "-o", help="output directory (default: ./tpudiag-repro-<run>-<seq>)")
+    p.add_argument("--rank", type=int, help="distributed runs: the rank whose op it is (as the report lists it)")
     p.set_defaults(func=cmd_repro)
 
 
 def cmd_repro(args: Any, rest: list[str]) -> int:
     store = open_store(args.db)
     run = queries.resolve_run(store, args.run)
-    detail = numerics_queries.op_detail(store, run["id"], args.seq)
+    if args.rank is not None:  # another rank's op: its record and saved inputs are the rank's (rank_numerics)
+        detail, saved = rank_repro.rank_op(store, run["id"], args.rank, args.seq)
+    else:
+        detail = numerics_queries.op_detail(store, run["id"], args.seq)
+        artifacts = Path(run.get("artifacts_dir") or store.run_dir(run["id"]))
+        saved = artifacts / "numerics" / "repro" / f"op-{args.seq}.pt"
     if detail is None:
         raise UnknownRunError(f"run {run['id']} has no recorded op with seq {args.seq} (see tpudiag report)")
-    saved = Path(run.get("artifacts_dir") or store.run_dir(run["id"])) / "numerics" / "repro" / f"op-{args.seq}.pt"
     if not saved.is_file():
         raise UsageError(
             f"op {args.seq} ({detail['op']}) of run {run['id']} has no saved inputs: inputs are kept only for "

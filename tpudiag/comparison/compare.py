@@ -14,12 +14,13 @@ from typing import Any
 from tpudiag.comparison import stats
 from tpudiag.comparison.compile_diff import compare_compile
 from tpudiag.comparison.fingerprint import comparability
+from tpudiag.comparison.memory_diff import compare_memory
 from tpudiag.comparison.numerics_diff import compare_numerics
 from tpudiag.comparison.ops_diff import FACTOR, compare_ops
 from tpudiag.comparison.snapshot import Snapshot
 from tpudiag.comparison.steps_diff import WARMUP_STEPS, compare_steps
 
-SECTIONS = ("steps", "ops", "numerics", "compile")
+SECTIONS = ("steps", "ops", "numerics", "compile", "memory")
 _SOURCE = re.compile(r"^(?P<file>.+?):(?P<line>\d+)")
 
 
@@ -34,6 +35,7 @@ def compare(
         "ops": compare_ops(a, b, warmup, alpha, factor),
         "numerics": compare_numerics(a, b),
         "compile": compare_compile(a, b, warmup),
+        "memory": compare_memory(a, b),
     }
 
 
@@ -133,6 +135,12 @@ def findings(result: dict[str, Any]) -> list[Finding]:
     for site in comp_s.get("new_graph_breaks", []):
         file, line = location(site)
         out.append(Finding("compile", "error", "new graph break", site, file, line))
+    mem = result.get("memory")
+    if mem and mem["comparable"] and mem["ratio"] and mem["ratio"] > 1.10:
+        out.append(
+            Finding("memory", "error", "peak memory grew",
+                    f"peak {mem['peak_a']} B -> {mem['peak_b']} B ({_pct(mem['ratio'])}) with the same input shapes")
+        )  # fmt: skip
     order = {"error": 0, "warning": 1, "notice": 2}
     return sorted(out, key=lambda f: order[f.severity])
 

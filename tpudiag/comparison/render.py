@@ -134,6 +134,14 @@ def tables(result: dict[str, Any]) -> list[Table]:
         notes = [f"new recompile reason: {r}" for r in comp_s["new_recompile_reasons"]]
         notes += [f"new graph break: {s}" for s in comp_s["new_graph_breaks"]]
         out.append(("Compilation", ["", "A", "B"], rows, notes))
+    mem = result.get("memory")
+    if mem is not None:
+        from tpudiag.memory_report import human_bytes
+
+        ratio = f"×{mem['ratio']:.3f}" if mem["ratio"] else "–"
+        notes = [] if mem["same_shapes"] else ["input shapes differ: peaks not compared"]
+        rows = [["peak", human_bytes(mem["peak_a"]), human_bytes(mem["peak_b"]), ratio]]
+        out.append(("Memory", ["", "A", "B", "B/A"], rows, notes))
     return out
 
 

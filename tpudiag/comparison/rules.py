@@ -45,7 +45,7 @@ COUNTS = (
     "compile.cache_misses",
     "compile.compiles",
 )
-RATIOS = ("compile.compile_time",)
+RATIOS = ("compile.compile_time", "memory.peak")
 METRICS = STATISTICAL + COUNTS + RATIOS
 TIMING = STATISTICAL + RATIOS  # measure time, so need the same work on both sides; COUNTS do not
 RULE_KEYS = {"metric", "direction", "max_ratio", "floor", "max", "max_increase", "enabled"}
@@ -55,6 +55,7 @@ DEFAULT_RULES: tuple[dict[str, Any], ...] = (
     {"metric": "compile.recompiles_after_warmup", "max_increase": 0},
     {"metric": "compile.new_graph_breaks", "max": 0},
     {"metric": "steps.steady", "direction": "lower", "max_ratio": 1.10, "floor": 5e-5},
+    {"metric": "memory.peak", "max_ratio": 1.10, "floor": 1 << 20},  # +10% peak (and 1 MiB), same shapes
 )
 
 
@@ -224,6 +225,8 @@ def _evaluate(rule: Rule, result: dict[str, Any], has_baseline: bool) -> list[Ou
         return _ops_time(rule, result, has_baseline)
     if m.startswith("numerics."):
         return [_numerics(rule, result)]
+    if m.startswith("memory."):
+        return [_memory(rule, result)]
     return [_compile(rule, result)]
 
 
@@ -322,6 +325,21 @@ def _numerics(rule: Rule, result: dict[str, Any]) -> Outcome:
         line,
         [where(c["op"], c["module"], c["source"]) for c in items],
     )
+
+
+def _memory(rule: Rule, result: dict[str, Any]) -> Outcome:
+    mem = result.get("memory")
+    if mem is None:
+        return Outcome(rule, "skipped", "memory not recorded on both sides")
+    seen = f"{mem['peak_a']} B -> {mem['peak_b']} B peak" + (f" (×{mem['ratio']:.3f})" if mem["ratio"] else "")
+    if not mem["same_shapes"]:
+        return Outcome(rule, "skipped", seen + "; the runs' input shapes differ")
+    if not mem["comparable"]:
+        return Outcome(
+            rule, "skipped", seen + f"; peaks from different sources ({mem['source_a']} / {mem['source_b']})"
+        )
+    bad, _ratio = _bad_ratio(rule, mem["peak_a"], mem["peak_b"])
+    return Outcome(rule, "fail" if bad else "pass", seen)
 
 
 def _compile(rule: Rule, result: dict[str, Any]) -> Outcome:

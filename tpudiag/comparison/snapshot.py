@@ -50,6 +50,7 @@ class Snapshot:
     ops: list[dict[str, Any]] = field(default_factory=list)  # {name, module, calls, self_ns, shapes, per_step}
     numerics: list[dict[str, Any]] | None = None  # per (op, module); None: numerics not captured
     compile: dict[str, Any] | None = None  # compile_report.summarize + after-warm-up counts; None: not captured
+    memory: dict[str, Any] | None = None  # memory_diff.memory_summary; None: no memory recorded (older snapshots)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, **asdict(self)}
@@ -93,7 +94,12 @@ def save(snap: Snapshot, path: Path) -> None:
         raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
 
 
-def build(run: dict[str, Any], material: dict[str, Any], compile_section: dict[str, Any] | None) -> Snapshot:
+def build(
+    run: dict[str, Any],
+    material: dict[str, Any],
+    compile_section: dict[str, Any] | None,
+    memory: dict[str, Any] | None = None,
+) -> Snapshot:
     """A snapshot from a run row, its ``compare_queries.run_material`` and its compile summary."""
     steps = [
         {"step": int(s["step"]), "dur_ns": int(s["dur_ns"]), "kind": s["kind"], "input_shapes": s["input_shapes"]}
@@ -140,4 +146,5 @@ def build(run: dict[str, Any], material: dict[str, Any], compile_section: dict[s
         ops=ops,
         numerics=numerics,
         compile=compile_section,
+        memory=memory,
     )

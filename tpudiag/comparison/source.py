@@ -26,7 +26,11 @@ def snapshot_of(store: Store, ref: str) -> Snapshot:
 
 def snapshot_of_run(store: Store, run: dict[str, Any]) -> Snapshot:
     material = compare_queries.run_material(store, run["id"], snapshot.MAX_OPS)
-    return snapshot.build(run, material, _compile_section(store, run, material["steps"]))
+    from tpudiag import memory_report
+    from tpudiag.comparison.memory_diff import memory_summary
+
+    memory = memory_summary(memory_report.build_section(store, run), material["steps"])
+    return snapshot.build(run, material, _compile_section(store, run, material["steps"]), memory)
 
 
 def _compile_section(store: Store, run: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shlex
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -27,7 +25,8 @@ from tpudiag.capture_options import CaptureOptions, CaptureResult
 from tpudiag.clock import Clock, SystemClock
 from tpudiag.distributed import merge, multinode
 from tpudiag.distributed.run_id import derive_run_id
-from tpudiag.distributed.session import CONFIG_ENV, ORIGINAL_PYTHON_EXEC_ENV, WorkerConfig
+from tpudiag.distributed.session import WorkerConfig
+from tpudiag.distributed.wrapper import worker_environment, write_wrapper
 from tpudiag.errors import TpudiagError
 from tpudiag.model import Run
 from tpudiag.plugins import load_collectors
@@ -39,33 +38,6 @@ from tpudiag.store import distributed_queries as q
 from tpudiag.store_access import open_store
 
 UNREACHED_FLAGS = ("--run-path", "--run_path", "--no-python", "--no_python")
-
-
-def write_wrapper(run_dir: Path, python: str, node: str = "") -> Path:
-    """The interpreter torchrun starts workers with: tpudiag's worker module on the same (or the user's) Python
-    (one per node of a multi-node job: their Pythons may differ)."""
-    path = run_dir / "bin" / ("python-worker" + (f"-{node}" if node else ""))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} -u -m tpudiag.distributed.worker "$@"\n')
-    path.chmod(0o755)
-    return path
-
-
-@contextlib.contextmanager
-def worker_environment(config: WorkerConfig, wrapper: Path) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in (CONFIG_ENV, ORIGINAL_PYTHON_EXEC_ENV, "PYTHON_EXEC")}
-    if saved["PYTHON_EXEC"]:
-        os.environ[ORIGINAL_PYTHON_EXEC_ENV] = saved["PYTHON_EXEC"] or ""
-    os.environ[CONFIG_ENV] = config.to_env()
-    os.environ["PYTHON_EXEC"] = str(wrapper)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class JobSink:
@@ -126,7 +98,7 @@ def capture_launcher(
         collectors = load_collectors(options.collect)  # unknown names fail here, before the job starts
         with contextlib.suppress(TpudiagError):
             store.recover_stale_runs()
-    script = next((a for a in target.args if not a.startswith("-")), None)
+    script = getattr(multinode.parse_launcher_args(target.args), "training_script", None)  # not a flag's value
     name = options.name or (Path(script).stem if script else "torchrun")
     start = RunStart(name, target.display, target.args, Path(script) if script else Path.cwd())
     job = derive_run_id(options.run_id, target.args)

@@ -4,6 +4,8 @@
   compile events): the cross-rank analyses read these small per-rank tables, never the events;
 - the last attempt's trace events, steps and compile events of every rank, and the ops and op diffs of its lowest
   rank, go into the run's own tables, so ``report``, the dashboard and the exports work as for any run;
+- every rank's divergent ops and per-op numerics counts go into ``dist_op_diffs`` / ``dist_numerics``
+  (``tpudiag.store.rank_numerics_queries``), so a fault on any rank reaches the report, ``compare`` and ``check``;
 - a rank that wrote data but no rank record (killed before it could) is ``lost``, and so is a rank of the world
   that wrote nothing at all;
 - the run is ``failed`` when a rank of the last attempt failed, and its notes say which rank failed first.
@@ -21,7 +23,7 @@ from tpudiag.distributed import analysis
 from tpudiag.distributed.records import RankInfo
 from tpudiag.errors import TpudiagError
 from tpudiag.model import Run, records_to_arrow
-from tpudiag.store import Store
+from tpudiag.store import Store, rank_numerics_queries
 from tpudiag.store import distributed_queries as q
 
 if TYPE_CHECKING:
@@ -79,6 +81,7 @@ def load_rank_data(con: duckdb.DuckDBPyConnection, root: q.Root, run_id: str) ->
     if lost:  # Arrow (and DuckDB's pandas scan) only when there is something to insert
         q.insert_arrow(con, RankInfo.TABLE, records_to_arrow(RankInfo, lost))
     q.set_numerics_counts(con, run_id, q.numerics_counts(con, root))
+    rank_numerics_queries.load(con, root, run_id)  # every rank's divergent ops, not only the main tables' rank
     return q.ranks(con, run_id)
 
 

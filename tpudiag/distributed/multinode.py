@@ -46,10 +46,8 @@ def clean_id(value: str) -> str:
     return cleaned
 
 
-def job_id(launcher_args: Sequence[str], explicit: str | None) -> str | None:
-    """The id every node of the job derives the same way, or None (a fresh run id)."""
-    if explicit:
-        return clean_id(explicit)
+def parse_launcher_args(launcher_args: Sequence[str]) -> Any:
+    """torchrun's arguments parsed by torchrun's own parser (an ``argparse.Namespace``), or None."""
     loaded = "torch.distributed.run" in sys.modules
     try:
         from torch.distributed.run import get_args_parser
@@ -60,6 +58,16 @@ def job_id(launcher_args: Sequence[str], explicit: str | None) -> str | None:
     finally:
         if not loaded:  # runpy runs the launcher as __main__ next, and warns on stderr if it is already imported
             sys.modules.pop("torch.distributed.run", None)
+    return args
+
+
+def job_id(launcher_args: Sequence[str], explicit: str | None) -> str | None:
+    """The id every node of the job derives the same way, or None (a fresh run id)."""
+    if explicit:
+        return clean_id(explicit)
+    args = parse_launcher_args(launcher_args)
+    if args is None:
+        return None
     nnodes = str(getattr(args, "nnodes", "1"))
     rdzv = str(getattr(args, "rdzv_id", "none") or "none")
     if rdzv == "none" or nnodes in ("1", "1:1"):

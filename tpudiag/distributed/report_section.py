@@ -71,7 +71,8 @@ def assemble(
         row = {k: r.get(k) for k in RANK_KEYS}
         row["attempt"] = last
         row["chip"] = chip_of(r.get("device_ids"), int(r["rank"]))  # TorchTPU's rank -> chip; None elsewhere
-        row["numerics_failures"] = r.get("numerics_failures")
+        row["numerics_checked"] = r.get("numerics_checked")  # outputs compared with the oracle on this rank
+        row["numerics_failures"] = r.get("numerics_failures")  # of which failing
         row.update(spread.get(int(r["rank"]), {"steps": 0}))
         row.update(counts.get(int(r["rank"]), {"collectives": 0, "collective_s": 0.0, "collective_bytes": 0}))
         ranks.append(row)
@@ -103,6 +104,14 @@ def assemble(
     }
 
 
+def numerics_cell(row: dict[str, Any]) -> str:
+    """The rank table's numerics column: failing outputs of those compared, or ``-`` (not checked)."""
+    checked, failures = row.get("numerics_checked"), row.get("numerics_failures")
+    if not checked:
+        return "-"
+    return f"{failures or 0} fail/{checked}" if failures else f"ok/{checked}"
+
+
 def render_section(section: dict[str, Any]) -> list[str]:
     backend = section["backend"] if isinstance(section["backend"], str) else json.dumps(section["backend"])
     lines = [
@@ -114,13 +123,13 @@ def render_section(section: dict[str, Any]) -> list[str]:
         if f:
             code = f" (exit {f['exit_code']})" if f.get("exit_code") is not None else ""
             lines.append(f"  attempt {a['attempt']}: rank {f['rank']} {f['status']} first{code}: {f['error'] or '-'}")
-    header = "  rank  status       steps  step median  collectives  in collectives  host"
+    header = "  rank  status       steps  step median  collectives  in collectives  numerics        host"
     lines.append(header)
     for r in section["ranks"][:MAX_RANKS_LISTED]:
         median = f"{r['step_median_s']:.4f} s" if r.get("step_median_s") is not None else "-"
         lines.append(
             f"  {r['rank']:>4}  {r['status'] or '-':<11}  {r['steps']:>5}  {median:>11}  {r['collectives']:>11}  "
-            f"{r['collective_s']:>12.4f} s  {r['host'] or '-'}"
+            f"{r['collective_s']:>12.4f} s  {numerics_cell(r):<14}  {r['host'] or '-'}"
             + (f"  chip {r['chip']}" if r.get("chip") is not None else "")
         )
     if len(section["ranks"]) > MAX_RANKS_LISTED:
@@ -141,7 +150,18 @@ def render_section(section: dict[str, Any]) -> list[str]:
         else "  collectives: every rank ran the same sequence"
     )
     d = section["rank_divergence"]
-    lines.append(f"  numerics across ranks: {d['text']}" if d else "  numerics across ranks: fingerprints agree")
+    failing = [r["rank"] for r in section["ranks"] if r.get("numerics_failures")]
+    if d:
+        lines.append(f"  numerics across ranks: {d['text']}")
+    elif failing:  # DDP averages gradients: equal fingerprints do not mean equal numbers on every rank
+        lines.append(
+            "  numerics across ranks: parameter fingerprints agree, but ops diverged from the oracle on "
+            + ("rank " if len(failing) == 1 else "ranks ")
+            + ", ".join(str(r) for r in failing)
+            + " (see numerics)"
+        )
+    else:
+        lines.append("  numerics across ranks: fingerprints agree")
     c = section["compile_divergence"]
     if c:
         for r in c["ranks"][:5]:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpudiag import runner
+from tpudiag import console, runner
 from tpudiag.clock import Clock, SystemClock
 from tpudiag.distributed import selection
 from tpudiag.distributed.identity import RankIdentity
@@ -173,6 +173,7 @@ class WorkerSession:
         # Until init_process_group says otherwise, a spawned worker's index stands in (TorchTPU's worker_rank).
         provisional = self.identity.rank if self.identity.rank is not None else self.identity.local_rank
         options["rank"] = provisional or 0
+        console.set_rank(provisional or 0)  # tpudiag's stderr lines from this process say which rank wrote them
         self.workdir.mkdir(parents=True, exist_ok=True)
         collectors = load_collectors(self.config.collect)
         skip = selection.deselected(options, provisional or 0, self.identity.local_rank, self.identity.world_size)
@@ -201,6 +202,7 @@ class WorkerSession:
     def _rank_known(self, identity: RankIdentity) -> None:
         if identity.rank is not None:
             self.spool.set_rank(identity.rank)
+            console.set_rank(identity.rank)
             if self.ctx is not None:
                 self.ctx.options["rank"] = identity.rank
 

@@ -6,7 +6,9 @@ ui.perfetto.dev and chrome://tracing open it.  Contents:
   event with nanosecond decimals, ``args`` holding module, phase, input shapes/dtypes, step, self time, ids
   and, when the run has numerics results, the op's worst verdict for its (op, module);
 - flow events (``s`` on the host op, ``f`` with ``bp: e`` on the device event) link host ops to the device
-  work they launched (``launch_id`` or a shared correlation id).
+  work they launched (``launch_id`` or a shared correlation id);
+- counter tracks (``C`` events) of the memory collector: live bytes in the trace windows and the per-step figures,
+  on a process of their own named "memory".
 
 The event JSON is produced by DuckDB (one text per row, streamed in Arrow batches), so a million events never
 become Python dicts.
@@ -55,6 +57,18 @@ def _flow_events(
     return events
 
 
+def _memory_events(counters: list[tuple[str, int, str, int]], pid: int, origin_ns: int) -> list[dict[str, Any]]:
+    if not counters:
+        return []
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "memory"}},
+        {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}},
+    ]
+    for name, ts, series, value in counters:
+        events.append({"ph": "C", "name": name, "pid": pid, "ts": _us(ts - origin_ns), "args": {series: value}})
+    return events
+
+
 def _us(ns: int) -> float:
     return round(ns / 1000, 3)
 
@@ -71,6 +85,8 @@ class PerfettoExporter:
             tracks = q.chrome_track_names(con, run["id"])
             ids = {(rank, proc, thread): (pid, tid) for pid, tid, rank, proc, thread, _ in tracks}
             flows = _flow_events(q.chrome_flows(con, run["id"]), ids, origin)
+            memory_pid = max((t[0] for t in tracks), default=0) + 1
+            flows += _memory_events(q.memory_counters(con, run["id"]), memory_pid, origin)
             total = q.count_rows(con, "trace_events", run["id"])
             progress = Progress(f"export perfetto {run['id']}", total)
             header = {

@@ -9,7 +9,12 @@ What the profile plugin (xprof 2.24) needs, checked against its converters (DESI
   (display name ``aten::addmm``), so the tool lists them per module like tpudiag's own report; self time is
   the op's duration minus the ops nested in it, as in the report;
 - device planes ``/device:TPU:N`` (``/device:GPU:N`` for CUDA runs) with the run's device lines; XLA op
-  metadata gets int stats ``program_id`` and a non-zero ``symbol_id`` (the converters drop ops without).
+  metadata gets int stats ``program_id`` and a non-zero ``symbol_id`` (the converters drop ops without);
+- the memory collector's live bytes as ``MemoryAllocation`` / ``MemoryDeallocation`` events on a ``Memory`` line
+  of the host plane, with the stats XProf's ``memory_profile`` reads (``allocator_name`` = the device,
+  ``bytes_allocated``, ``peak_bytes_in_use``, ``allocation_bytes``, ``group_id`` = the step).  Each point of the
+  stored (downsampled) timeline is one event whose size is the change since the previous point: the timeline and
+  peak are exact at the points kept; the per-op breakdown at the peak stays in tpudiag's own report.
 
 When the run folder holds original ``.xplane.pb`` files (a TPU capture or an imported XSpace), they are copied
 unchanged to ``<out>/plugins/profile/<run>_original/``: on a TPU they carry what we do not store (HLO protos,
@@ -214,6 +219,35 @@ class _SpaceWriter:
             line.MergeFromString(encode_line_events(mids[seg], offset_ps[a:b], duration_ps[a:b], stats))
         progress.advance(n)
 
+    def add_memory(self, points: list[tuple[str, int, int, int | None]]) -> None:
+        """The live-bytes timeline as allocator events (see the module docstring)."""
+        if not points:
+            return
+        line = self.host.line(len(self.host.plane.lines) + 1, "Memory", self.origin_ns)
+        previous: dict[str, int] = {}
+        peak: dict[str, int] = {}
+        for n, (device, ts, allocated, step) in enumerate(points):
+            delta = allocated - previous.get(device, 0)
+            previous[device] = allocated
+            peak[device] = max(peak.get(device, 0), allocated)
+            stats: dict[str, xp.StatValue] = {
+                "allocator_name": device,
+                "bytes_allocated": allocated,
+                "bytes_reserved": 0,  # TensorFlow's stack reservation: none in PyTorch
+                "bytes_available": 0,
+                "peak_bytes_in_use": peak[device],
+                "allocation_bytes": abs(delta),
+                "requested_bytes": abs(delta),
+                "addr": n + 1,
+                "tf_op": "live bytes",
+                "region_type": "output",
+                "tensor_shape": "unknown",
+            }
+            if step is not None:
+                stats["group_id"] = step
+            name = "MemoryAllocation" if delta >= 0 else "MemoryDeallocation"
+            self.host.add_event(line, name, (ts - self.origin_ns) * 1000, 0, stats)
+
     def add_steps(self, steps: list[tuple[int, int, int, int, str]]) -> None:
         """A ``Steps`` line on the host plane, and on each device plane that has none of its own."""
         if not steps:
@@ -295,6 +329,7 @@ class TensorBoardExporter:
                 for batch in q.iter_rows(q.xplane_event_batches(con, run["id"], rank)):
                     writer.add_batch(batch, multi, progress)
                 writer.add_steps([s for s in steps if s[0] == rank])
+                writer.add_memory(q.memory_points(con, run["id"], rank))
                 fname = f"{host}.xplane.pb" if ranks == [0] or named else f"{host}_{rank}.xplane.pb"
                 path = run_dir / fname
                 with atomic_file(path) as fh:

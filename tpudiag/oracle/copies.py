@@ -2,10 +2,19 @@
 
 The oracle needs each input in float64.  A tensor is usually read by several ops (an activation by the next op
 and by backward, a gradient by several optimizer ops), and each op's *output* is upcast anyway to be compared:
-keeping that float64 copy lets the next op that reads the tensor skip its own copy.  A copy is valid while the
+keeping that float64 copy lets the next op that reads the tensor skip its own copy.  A copy is used only while the
 tensor is the same object (weakly keyed: the cache never keeps a user's tensor alive) with the same version
-counter, data pointer, shape and strides; any write to the tensor or to a view of it bumps the version, so a stale
-copy is never used.  Values are exactly ``tensor.to(float64, copy=True)``: reuse changes no result.
+counter, data pointer, shape and strides, *and* still holds exactly the copied values.
+
+The version counter alone does not prove a tensor unchanged: many writes never bump it.  ``_fused_adam(w)_`` and
+the other fused optimizer kernels write their tensor lists without a bump, ``_foreach_*_`` ops skip it while any
+dispatch mode is active (as this checker's is), Inductor's generated kernels write into reused buffers below the
+dispatcher, and so do C++ extensions and writes through ``.numpy()``.  A copy trusted on its version alone fed
+the oracle an old value (an optimizer's step count one behind: 1e6 scaled eps on a correct ``_fused_adamw_``), so
+a hit is confirmed by comparing the kept copy with the tensor itself (``torch.equal``: float64 holds every float32,
+bfloat16 and float16 value exactly; a NaN makes them unequal, which only costs a fresh copy).  Writes the checker
+sees (an op whose schema says it writes an argument) drop the written tensors' copies at once (``forget``).
+Values are exactly ``tensor.to(float64, copy=True)``: reuse changes no result.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ class Float64Copies:
         self.max_bytes = max_bytes
         self.hits = 0
         self.misses = 0
+        self.stale = 0  # entries whose tensor had changed without a version bump (caught by the value check)
 
     def __len__(self) -> int:
         return len(self._map)
@@ -42,9 +52,20 @@ class Float64Copies:
             self._drop(tensor)
             self.misses += 1
             return None
+        if not torch.equal(value, tensor):
+            self._drop(tensor)
+            self.stale += 1
+            self.misses += 1
+            return None
         self.hits += 1
         result: torch.Tensor = value
         return result
+
+    def forget(self, tensors: list[torch.Tensor]) -> None:
+        """Drop the copies of tensors an op is about to write."""
+        if len(self._map):
+            for t in tensors:
+                self._drop(t)
 
     def put(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
         """Remember ``value`` (exactly ``tensor`` in float64, owned by the checker, never written) for ``tensor``."""

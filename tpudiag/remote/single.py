@@ -80,7 +80,8 @@ def publish(store: Store, run: Run, run_dir: Path, url: str) -> str | None:
     from tpudiag.remote.location import redact
 
     try:
-        export_shards(store, run, run_dir)
+        if not (run_dir / "shards").is_dir():  # spawned ranks wrote their own shards: those are the job
+            export_shards(store, run, run_dir)
         (folder(run_dir) / "events").mkdir(parents=True, exist_ok=True)
         end(run_dir, run)  # first: the uploader finds the outcome at once and finishes
         begin(url, run_dir, run.id, node=layout.node_key(run.host, run.pid))

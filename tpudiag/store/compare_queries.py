@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tpudiag.store import rank_numerics_queries
 from tpudiag.store.database import Store
 from tpudiag.store.queries import DEVICE_OP_CATEGORIES, HOST_OP_CATEGORIES, _dicts, has_device_trace
 
@@ -89,6 +90,7 @@ def run_material(store: Store, run_id: str, max_ops: int) -> dict[str, Any]:
             )
         )
         has_ops = con.execute("SELECT count(*) FROM ops WHERE run_id = ?", [run_id]).fetchall()[0][0]
+        numerics = rank_numerics_queries.numerics_over_ranks(con, run_id) or numerics  # a job: every rank's
     return {
         "steps": steps,
         "checker_steps": sorted(int(r[0]) for r in checked),

@@ -280,3 +280,44 @@ def iter_rows(reader: pa.RecordBatchReader) -> Iterator[pa.RecordBatch]:
     for batch in reader:
         if batch.num_rows:
             yield batch
+
+
+def memory_counters(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[str, int, str, int]]:
+    """(counter name, epoch ns, series, bytes) of the memory collector's figures, in time order: live bytes of the
+    trace windows (profiler allocator events) and the per-step sampler's figures (allocator, libtpu, RSS)."""
+    if not {"memory_timeline", "memory_steps"} <= _tables(con):
+        return []
+    rows = con.execute(
+        """
+        SELECT 'memory ' || coalesce(device, '?') AS counter, ts_ns, 'allocated' AS series, allocated_bytes AS b
+        FROM memory_timeline WHERE run_id = $1
+        UNION ALL
+        SELECT 'memory ' || coalesce(device, '?') || ' reserved', ts_ns, 'reserved', reserved_bytes
+        FROM memory_timeline WHERE run_id = $1 AND reserved_bytes IS NOT NULL
+        UNION ALL
+        SELECT 'memory per step ' || coalesce(device, '?'), ts_ns, s.series, s.b FROM (
+            SELECT device, ts_ns, unnest(['allocated', 'reserved', 'peak', 'device_used', 'rss']) AS series,
+                   unnest([allocated_bytes, reserved_bytes, peak_bytes, device_used_bytes, rss_bytes]) AS b
+            FROM memory_steps WHERE run_id = $1 AND origin = 'sampler' AND ts_ns IS NOT NULL
+        ) s WHERE s.b IS NOT NULL
+        ORDER BY ts_ns, counter, series
+        """,
+        [run_id],
+    ).fetchall()
+    return [(str(c), int(ts), str(s), int(b)) for c, ts, s, b in rows]
+
+
+def _tables(con: duckdb.DuckDBPyConnection) -> set[str]:
+    return {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+
+
+def memory_points(con: duckdb.DuckDBPyConnection, run_id: str, rank: int) -> list[tuple[str, int, int, int | None]]:
+    """(device, epoch ns, allocated bytes, step) of the trace windows' live-bytes timeline, in time order."""
+    if "memory_timeline" not in _tables(con):
+        return []
+    rows = con.execute(
+        "SELECT coalesce(device, '?'), ts_ns, allocated_bytes, step FROM memory_timeline "
+        "WHERE run_id = ? AND rank = ? ORDER BY device, ts_ns",
+        [run_id, rank],
+    ).fetchall()
+    return [(str(d), int(ts), int(b), None if s is None else int(s)) for d, ts, b, s in rows]

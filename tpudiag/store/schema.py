@@ -11,7 +11,7 @@ from typing import Any
 
 from tpudiag.model import BULK_TABLES, Run, column_kinds
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _DUCK_TYPES = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "str": "VARCHAR"}
 
@@ -50,4 +50,12 @@ def _v1_to_v2(con: Any) -> None:
     con.execute("ALTER TABLE op_diffs ADD COLUMN IF NOT EXISTS ref_rmse DOUBLE")
 
 
-MIGRATIONS: dict[int, Callable[[Any], None]] = {1: _v1_to_v2}
+def _v2_to_v3(con: Any) -> None:
+    """The memory collector's tables (issue 22)."""
+    from tpudiag.model import MEMORY_RECORDS
+
+    for cls in MEMORY_RECORDS:
+        con.execute(_create_table(cls.TABLE, cls))
+
+
+MIGRATIONS: dict[int, Callable[[Any], None]] = {1: _v1_to_v2, 2: _v2_to_v3}

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tpudiag import console
 from tpudiag.analysis.numerics_metrics import dtype_name
 from tpudiag.analysis.verdict import Verdict, is_divergent
 from tpudiag.collectors.numerics.compiled.intercept import GraphInfo, Interceptor
@@ -362,7 +363,7 @@ class CompiledChecker:
             if f.first is None:
                 f.first = f"{record.op} ({g.info.backend}) seq {seq}"
             sys.stderr.write(
-                f"tpudiag: numerics: compiled graph {g.info.compile_id} ({g.info.backend}, "
+                f"{console.prefix()}: numerics: compiled graph {g.info.compile_id} ({g.info.backend}, "
                 f"{_short(g.info.frame) or '?'}) diverges from its float64 replay; localising at the end\n"
             )
             sys.stderr.flush()

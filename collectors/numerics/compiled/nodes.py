@@ -6,13 +6,16 @@ import os
 import re
 from typing import Any
 
-_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+# The compiled frame's local that holds the root module: ``L['self']``, or ``L['args'][0]`` when the frame is a
+# ``*args`` wrapper of ``forward`` (transformers decorates its models' forwards so): that index is not a module.
+_ROOT = re.compile(r"^L\['args'\]\[0\]\.?|^L\['[^']*'\]\.?")
 _ITEM = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def module_path(fx_path: str) -> str:
-    """``L['self'].layers[1].act`` / ``L['s']._modules['b']`` -> ``layers.1.act`` / ``b``."""
+    """``L['self'].layers[1].act`` / ``L['s']._modules['b']`` / ``L['args'][0].model.norm`` -> ``layers.1.act`` /
+    ``b`` / ``model.norm``."""
     path = _ROOT.sub("", fx_path)
     path = path.replace("._modules", "").replace("_modules", "")
     path = _ITEM.sub(lambda m: "." + (m.group(1) or m.group(2)), path)

@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from tpudiag import console
 from tpudiag.analysis.verdict import is_divergent, op_kind
 from tpudiag.collectors.numerics.compiled import nodes as fx_nodes
 from tpudiag.model import OpRecord
@@ -53,8 +54,8 @@ def backward_rows(checker: Any, g: Any, checks: list[tuple[int, Any]]) -> tuple[
         g.backward_divergent += 1
         shown = ", ".join(_param_name(sources[i]) if i < len(sources) else str(i) for i, _ in bad[:3])
         sys.stderr.write(
-            f"tpudiag: numerics: the backward of compiled graph {g.info.compile_id} ({g.info.backend}) diverges from "
-            f"its float64 replay (gradients of {shown}{', ...' if len(bad) > 3 else ''})\n"
+            f"{console.prefix()}: numerics: the backward of compiled graph {g.info.compile_id} ({g.info.backend}) "
+            f"diverges from its float64 replay (gradients of {shown}{', ...' if len(bad) > 3 else ''})\n"
         )
         sys.stderr.flush()
         return node_seq, seq

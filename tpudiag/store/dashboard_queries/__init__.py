@@ -8,6 +8,7 @@ how long each query took (``timings``, milliseconds), which the benchmark reads.
 """
 
 from tpudiag.store.dashboard_queries.compile import CompileView, load_compile
+from tpudiag.store.dashboard_queries.memory import MemoryView, load_memory
 from tpudiag.store.dashboard_queries.numerics import NumericsView, load_numerics, load_op_diffs
 from tpudiag.store.dashboard_queries.ops import (
     OpDetail,
@@ -27,6 +28,7 @@ __all__ = [
     "GROUPINGS",
     "PHASES",
     "CompileView",
+    "MemoryView",
     "NumericsView",
     "OpDetail",
     "OpFilter",
@@ -36,6 +38,7 @@ __all__ = [
     "StepTimeline",
     "list_run_choices",
     "load_compile",
+    "load_memory",
     "load_numerics",
     "load_op_detail",
     "load_op_diffs",

@@ -1,0 +1,27 @@
+"""``tpudiag repro RUN SEQ --rank R``: one rank's divergent op of a distributed run, and its saved inputs.
+
+Each rank saved the inputs of its divergent ops in its own folder (``<run>/workers/<attempt>-<pid>/numerics/
+repro``); ``dist_op_diffs`` (``tpudiag.store.rank_numerics_queries``) holds the op and the rank's folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tpudiag.errors import UnknownRunError
+from tpudiag.store import Store
+from tpudiag.store import rank_numerics_queries as q
+
+
+def rank_op(store: Store, run_id: str, rank: int, seq: int) -> tuple[dict[str, Any] | None, Path]:
+    """(the op's record, the path its saved inputs would have); raises when the run has no such rank data."""
+    with store.reader() as con:
+        row = q.rank_op(con, run_id, rank, seq)
+    if row is None:
+        raise UnknownRunError(f"run {run_id} lists no divergent op with seq {seq} on rank {rank} (see tpudiag report)")
+    folder = Path(row.get("artifacts_dir") or ".")
+    saved = Path(row["repro_path"]) if row.get("repro_path") else folder / "numerics" / "repro" / f"op-{seq}.pt"
+    if not saved.is_absolute():
+        saved = folder / saved
+    return row, saved
