@@ -42,8 +42,12 @@ _PROJECTIONS = {
         f"WHERE {_COLLECTIVES} "
         "UNION ALL SELECT DISTINCT rank, restart, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM {src}"
     ),
-    "ops": "SELECT DISTINCT rank, restart FROM {src}",
-    "op_diffs": "SELECT rank, restart, verdict FROM {src}",
+    # checked ops with what ``rank_numerics_queries`` lists of them, plus one row per (rank, restart)
+    "ops": "SELECT rank, restart, seq, checked, op, overload, module, phase, source_loc, step, kind, region, graph_id, "
+    "fx_node FROM {src} WHERE checked UNION ALL BY NAME SELECT DISTINCT rank, restart FROM {src}",
+    # every diff but skipped ones (no count or listing reads those), plus one row per (rank, restart)
+    "op_diffs": "SELECT * FROM {src} WHERE verdict <> 'skip' OR role IS NOT NULL "
+    "UNION ALL BY NAME SELECT DISTINCT rank, restart FROM {src}",
 }
 
 
