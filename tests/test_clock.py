@@ -23,7 +23,8 @@ DRIVER = textwrap.dedent("""
 
     clock = builtins.tpudiag_test_clock = FakeClock(start=1_700_000_000.0)
     db = Path(sys.argv[1])
-    result = capture(Target("script", sys.argv[2], ()), CaptureOptions(db=db, collect=["trace"]), clock=clock)
+    options = CaptureOptions(db=db, collect=["trace"], collector_options={"trace": "all"})  # the whole-run trace
+    result = capture(Target("script", sys.argv[2], ()), options, clock=clock)
     run = queries.resolve_run(Store(db), result.run_id)
     with Store(db).reader() as r:
         steps = r.execute("SELECT count(*) FROM steps WHERE run_id = ?", [result.run_id]).fetchone()[0]
