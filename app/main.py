@@ -19,6 +19,7 @@ st.set_page_config(page_title="tpudiag", page_icon="⏱", layout="wide")
 pages = [
     st.Page(HERE / "views" / "runs.py", title="Runs", url_path="runs", default=True),
     st.Page(HERE / "views" / "slow_ops.py", title="Slow ops", url_path="slow-ops"),
+    st.Page(HERE / "views" / "timeline.py", title="Timeline", url_path="timeline"),
     st.Page(HERE / "views" / "numerics.py", title="Numerics", url_path="numerics"),
     st.Page(HERE / "views" / "compilation.py", title="Compile", url_path="compile"),
     st.Page(HERE / "views" / "memory.py", title="Memory", url_path="memory"),

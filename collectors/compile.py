@@ -32,6 +32,7 @@ from typing import Any
 
 from tpudiag import internal_errors
 from tpudiag.analysis.compile_events import CompileEventBuilder
+from tpudiag.longrun import control
 from tpudiag.model import CompileEvent
 from tpudiag.plugins import CaptureContext
 
@@ -52,7 +53,10 @@ class _Handler(logging.Handler):
             return
         try:
             with self._lock:
-                self._sink += self._builder.feed(metadata, getattr(record, "payload", None), int(record.created * 1e9))
+                events = self._builder.feed(metadata, getattr(record, "payload", None), int(record.created * 1e9))
+                self._sink += events
+            for event in events:  # the pulse counts them; after warm-up a recompile or graph break opens a window
+                control.compile_event(event.kind, event.reason or event.function)
         except Exception as err:  # a record we do not understand must never break the user's compile
             self.errors += 1
             internal_errors.current().record("compile", f"trace record {_event_name(metadata)}", err)

@@ -10,6 +10,13 @@ Each profiler session becomes one Chrome trace file kept in the run folder (``tr
 (nesting, self time, modules, steps) and spooled as trace_events and steps.  On long runs the session is rotated at
 an optimizer-step boundary every ``trace_chunk_s`` seconds (default 30), so memory stays bounded and a capture that
 is killed loses at most its last chunk; cutting at a step boundary keeps module ranges and steps whole.
+
+Long runs (issue 21): by default the trace is not continuous.  A pulse record is kept for every step
+(``collectors/pulse.py``), and the profiler runs in windows (``collectors/windows.py``): the first steps, then a few
+steps now and then, and a window whenever a trigger fires.  Each window is one whole profiler session whose Chrome
+trace is analysed by a low-priority process of its own (``tpudiag.longrun.analyst``).  A script that ends inside the
+first window gets exactly the trace a whole-run capture gives.  ``--trace all`` (option ``trace="all"``) keeps the
+continuous, rotated trace described above.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from tpudiag import internal_errors, runner
+from tpudiag.collectors.long_run import NO_EVENTS, LongRunMixin
+from tpudiag.longrun import analyst
 from tpudiag.plugins import CaptureContext
 
 
@@ -43,7 +52,7 @@ def _quiet_stderr(fn: Any) -> Any:
         os.close(devnull)
 
 
-class TraceCollector:
+class TraceCollector(LongRunMixin):
     name = "trace"
     description = (
         "`torch.profiler` (Kineto) around the whole script: CPU ops with shapes (and CUDA kernels on a GPU), "
@@ -70,6 +79,12 @@ class TraceCollector:
         self._patches: list[tuple[Any, str, Any]] = []
         self._hooks: list[Any] = []
         self._main_thread = threading.main_thread()
+        self._pulse: Any = None  # collectors/pulse.py PulseRecorder
+        self._plan: Any = None  # collectors/windows.py WindowPlan (None: --trace all)
+        self._in_step = False
+        self._poller: Any = None
+        self._worker: Any = None
+        self._window_jobs: dict[int, dict[str, Any]] = {}
         self.profiler: Any = None  # the last torch.profiler.profile object (tests read key_averages from it)
 
     # -- plugin protocol --------------------------------------------------------------------------------------
@@ -99,14 +114,25 @@ class TraceCollector:
         # The allocator's events, for the memory collector's per-module and per-op view (collectors/memory_window.py)
         self._profile_memory = bool(ctx.options.get("profile_memory"))
         self._chunk_s = float(ctx.options.get("trace_chunk_s") or os.environ.get("TPUDIAG_TRACE_CHUNK_S") or 30.0)
+        self._start_long_run(ctx)
         record_function = torch.autograd.profiler.record_function
         root_inputs = self._root_inputs
 
         def on_enter(path: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_root: bool) -> Any:
             if is_root:
-                if self._step_ended and self._chunk_due():
-                    self._rotate()
-                root_inputs.append(input_shapes(args, kwargs))
+                if self._step_ended:
+                    self._step_ended = False
+                    if self._plan is not None:
+                        self._boundary()
+                    elif self._chunk_due():
+                        self._rotate()
+                if not self._in_step and self._pulse is not None:
+                    self._in_step = True
+                    self._pulse.step_begin(args, kwargs)
+                if self._prof is not None:
+                    root_inputs.append(input_shapes(args, kwargs))
+            if self._prof is None:
+                return None
             rf = record_function("module::" + path)
             rf.__enter__()
             return rf
@@ -144,22 +170,38 @@ class TraceCollector:
         # path).  Not with a TPU session: its events are numbered after the host's.
         deferred = self._ctx.can_defer and self._tpu is None
         try:
-            self._stop_session(analyse=not deferred)
+            if self._plan is not None:
+                self._stop_windows(deferred)
+            else:
+                self._stop_session(analyse=not deferred)
             if self._tpu is not None:
-                self._events_done += self._tpu.write(self._ctx, first_event_id=self._events_done)
+                first = self._events_done if self._plan is None else analyst.first_event_id(self._plan.count)
+                self._events_done += self._tpu.write(self._ctx, first_event_id=first)
         finally:
             self._uninstall()
+            self._stop_pulse()
         if self._user_sessions:
             self._ctx.note(
                 f"the script ran its own torch.profiler session {self._user_sessions} time(s); tpudiag's trace "
                 "paused during it (its events are in the script's own trace)"
             )
-        if self._events_done == 0 and not deferred:
+        if self._events_done == 0 and not deferred and self._plan is None:
             self._ctx.note(NO_EVENTS)
         self._ctx.metadata["trace_files"] = [str(p) for p in self._chunks]
 
     def finish(self, ctx: CaptureContext, job: dict[str, Any]) -> None:
-        """The deferred analysis of the last chunk (the job ``stop`` left with ``ctx.defer``), in any process."""
+        """The deferred analysis the capture left with ``ctx.defer``, in any process: the last chunk (``--trace
+        all``), or the trace windows still waiting for analysis (issue 21)."""
+        if job.get("windows"):
+            from tpudiag.longrun import analyst
+
+            trace_dir = Path(job["trace_dir"])
+            first = trace_dir / analyst.JOBS / "window-0000.json"
+            only_first = first.exists() and len(analyst.pending_jobs(trace_dir)) == 1
+            if only_first and analyst.run_job(ctx.run_id, ctx.spool, first, analyst.WINDOW_HOOK) == 0:
+                ctx.note(NO_EVENTS)
+            analyst.run_pending(ctx.run_id, ctx.spool, trace_dir)
+            return
         path = Path(job["path"])
         ctx.options.setdefault("profile_memory", bool(job.get("profile_memory")))
         # Parts named after the chunk: a finish retried after its process died rewrites them, never duplicates.
@@ -182,6 +224,9 @@ class TraceCollector:
             return
         if threading.current_thread() is self._main_thread:
             self._step_ended = True
+            self._in_step = False
+            if self._pulse is not None:
+                self._step_end(optimizer)
 
     def _chunk_due(self) -> bool:
         return (
@@ -244,9 +289,12 @@ class TraceCollector:
         if self._tpu is not None:
             self._tpu.stop()  # synchronises pending device work first
         _quiet_stderr(prof.stop)
-        path = self._trace_dir / f"kineto-{len(self._chunks):03d}.json"
+        number = len(self._chunks) if self._plan is None else self._window_number
+        path = self._trace_dir / f"kineto-{number:03d}.json"
         prof.export_chrome_trace(str(path))
         self._chunks.append(path)
+        if self._plan is not None:
+            return  # the window's job (``_close_window``) takes it from here
         if analyse:
             self._write_chunk(path)
         else:
@@ -265,7 +313,10 @@ class TraceCollector:
                 collector._user_sessions += 1
                 collector._paused_for_user = True
                 with internal_errors.current().guard("trace", "pause for the script's profiler"):
-                    collector._stop_session()
+                    if collector._plan is not None:
+                        collector._pause_window()
+                    else:
+                        collector._stop_session()
             return orig_prepare(prof_self)
 
         def __exit__(prof_self: Any, *exc: Any) -> Any:
@@ -273,7 +324,10 @@ class TraceCollector:
             if collector._paused_for_user and prof_self is not collector._own_inner:
                 collector._paused_for_user = False
                 with internal_errors.current().guard("trace", "resume after the script's profiler"):
-                    collector._start_session()
+                    if collector._plan is not None:
+                        collector._resume_window()
+                    else:
+                        collector._start_session()
             return result
 
         self._patches = [(cls, "_prepare_trace", orig_prepare), (cls, "__exit__", orig_exit)]
@@ -314,9 +368,6 @@ class TraceCollector:
         self._ctx.defer(self, job)
 
 
-NO_EVENTS = "the trace collector recorded no events"
-
-
 def _analyse_chunk(
     ctx: CaptureContext,
     path: Path,
@@ -348,3 +399,12 @@ def _analyse_chunk(
 
         memory_window.spool_window(ctx, path, trace, tables, part=part)
     return len(trace), len(tables.steps)
+
+
+def analyse_window_extras(ctx: CaptureContext, path: Path, trace: Any, tables: Any, part: str | None) -> None:
+    """What a trace window says besides its events (``tpudiag.longrun.analyst.WINDOW_HOOK``): the memory
+    collector's allocator view, as ``_analyse_chunk`` does for a chunk."""
+    with internal_errors.current().guard("memory", "analyse a trace window's memory"):
+        from tpudiag.collectors import memory_window
+
+        memory_window.spool_window(ctx, path, trace, tables, part=part)

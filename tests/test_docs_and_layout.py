@@ -101,6 +101,26 @@ def test_every_report_section_is_built_into_the_report_and_rendered(tmp_path: Pa
             )
         ]
     }
+    from tpudiag.model import PulseStep, TraceWindow
+
+    records["pulse"] = lambda rid: {
+        PulseStep: [PulseStep(run_id=rid, step=i, start_ns=i * 10**7, dur_ns=3 * 10**6, gap_ns=10**5) for i in range(9)]
+    }
+    records["windows"] = lambda rid: {
+        TraceWindow: [
+            TraceWindow(
+                run_id=rid,
+                window_id=0,
+                reason="first_steps",
+                first_step=0,
+                last_step=8,
+                start_ns=0,
+                end_ns=10**8,
+                trace_events=1,
+            )
+        ],
+        TraceEvent: [make_event(rid, 0, "aten::addmm", 0, 5_000)],
+    }
     # A distributed run is made from rank shards merged into the store, not from records of one process.
     populate: dict[str, Callable[[], str]] = {"distributed": lambda: build_distributed_run(store)}
     assert set(SECTIONS) == set(records) | set(populate), "a new report section needs a case here"

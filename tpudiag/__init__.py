@@ -13,8 +13,9 @@ from tpudiag.version import __version__
 
 if TYPE_CHECKING:
     from tpudiag.api import Capture, CapturedRun, capture
+    from tpudiag.longrun.manual import trigger
 
-__all__ = ["Capture", "CapturedRun", "__version__", "capture", "load_ipython_extension"]
+__all__ = ["Capture", "CapturedRun", "__version__", "capture", "load_ipython_extension", "trigger"]
 _API = ("capture", "Capture", "CapturedRun")
 
 
@@ -23,6 +24,10 @@ def __getattr__(name: str) -> Any:
         from tpudiag import api
 
         return getattr(api, name)
+    if name == "trigger":  # issue 21: open a trace window in a running capture (tpudiag/longrun/manual.py)
+        from tpudiag.longrun.manual import trigger
+
+        return trigger
     raise AttributeError(f"module 'tpudiag' has no attribute {name!r}")
 
 

@@ -13,6 +13,7 @@ from tpudiag.errors import TpudiagError, UsageError
 
 CAPTURE_VALUE_OPTIONS = {
     "--db", "--name", "--collect", "--numerics", "--budget", "--ops", "--modules", "--run-id",
+    "--trace", "--trace-schedule", "--max-disk",
     "--remote", "--trace-ranks", "--numerics-ranks",
 }  # fmt: skip
 CAPTURE_FLAG_OPTIONS = {"--with-stack", "--wait", "-h", "--help"}
@@ -39,6 +40,26 @@ def _percent(text: str) -> float:
         return budget_percent(text)
     except UsageError as err:
         raise argparse.ArgumentTypeError(str(err).removeprefix("--budget ")) from None
+
+
+def _trace_schedule(text: str) -> str:
+    from tpudiag.longrun.schedule import parse
+
+    try:
+        parse(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--trace-schedule ")) from None
+    return text
+
+
+def _size(text: str) -> str:
+    from tpudiag.longrun.analyst import parse_size
+
+    try:
+        parse_size(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--max-disk ")) from None
+    return text
 
 
 def _split_capture_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -96,7 +117,17 @@ def cmd_capture(args: argparse.Namespace, rest: list[str]) -> int:
         collector_options["profile_memory"] = True
     if args.memory_dispatch:
         collector_options["memory_dispatch"] = True
-    for key in ("numerics", "budget", "ops", "modules", "trace_ranks", "numerics_ranks"):
+    for key in (
+        "numerics",
+        "budget",
+        "ops",
+        "modules",
+        "trace_ranks",
+        "numerics_ranks",
+        "trace",
+        "trace_schedule",
+        "max_disk",
+    ):
         value = getattr(args, key, None)
         if value is not None:
             collector_options[key] = value
@@ -281,6 +312,26 @@ def build_parser(extra_commands: bool = True) -> argparse.ArgumentParser:
         metavar="PATTERNS",
         help="numerics: check only ops inside these modules (comma-separated paths or globs, e.g. transformer.h.0)",
     )
+    p.add_argument(
+        "--trace",
+        choices=["windows", "all"],
+        help="windows (default): a pulse of every step, the profiler on for the first steps, now and then, and "
+        "when a trigger fires (slow step, recompile, non-finite, manual...); all: one trace of the whole run",
+    )
+    p.add_argument(
+        "--trace-schedule",
+        metavar="SPEC",
+        type=_trace_schedule,
+        help="when scheduled windows open: wait=W,warmup=U,active=A,repeat=R (steps, as torch.profiler.schedule) "
+        "or every=120s,active=5 (the default)",
+    )
+    p.add_argument(
+        "--max-disk",
+        metavar="SIZE",
+        type=_size,
+        help="cap on the trace windows' files (default 2GB): scheduled windows are pruned first, anomaly windows "
+        "kept, the pulse always kept",
+    )
     p.set_defaults(func=cmd_capture)
 
     p = sub.add_parser("runs", help="list the runs in the store, newest first")
@@ -314,6 +365,7 @@ EXTRA_COMMANDS: list[str] = [
     "tpudiag.commands.repro:register",
     "tpudiag.commands.compare:register",
     "tpudiag.commands.check:register",
+    "tpudiag.commands.trigger:register",
     "tpudiag.commands.remote_cmd:register_gather",
     "tpudiag.commands.remote_cmd:register_upload",
 ]

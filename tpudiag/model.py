@@ -198,6 +198,54 @@ class CompileEvent:
     failed: bool = False  # the compilation (Dynamo frame, backend, TorchTPU executable) failed
 
 
+# -- Long runs (issue 21): the pulse and the trace windows.  Declared here, the current way (spool + store schema),
+# -- until collectors declare their own tables (the capture-session work); nothing else in this file depends on them.
+@dataclass(frozen=True)
+class PulseStep:
+    """One training step of the always-on pulse (every step of the run, whatever else is pruned)."""
+
+    TABLE: ClassVar[str] = "pulse"
+
+    run_id: str
+    step: int  # 0-based, counted at optimizer steps
+    start_ns: int  # epoch nanoseconds: the step's first root-module forward (else the previous step's end)
+    dur_ns: int  # start to the end of the optimizer step
+    gap_ns: int | None = None  # previous step's end to this step's start (data wait, logging, evaluation...)
+    own_ns: int = 0  # tpudiag's own time inside this step's hooks
+    rank: int = 0
+    shapes: str | None = None  # JSON: the root module's input shapes
+    compiles: int = 0  # compile events in this step (compile collector)
+    recompiles: int = 0
+    graph_breaks: int = 0
+    nonfinite: bool | None = None  # a non-finite gradient seen in this step; None: not known (never read)
+    window_id: int | None = None  # the trace window this step ran in, if any
+    figures: str | None = None  # JSON of the per-step probes' figures (e.g. memory); unknown figures are null
+
+
+@dataclass(frozen=True)
+class TraceWindow:
+    """A whole profiler session of a few steps, and why it was opened."""
+
+    TABLE: ClassVar[str] = "trace_windows"
+
+    run_id: str
+    window_id: int
+    # "first_steps" | "schedule" | "slow_step" | "recompile" | "graph_break" | "nonfinite" | "memory" |
+    # "numerics" | "manual" | "whole_run" (--trace all)
+    reason: str
+    first_step: int | None
+    last_step: int | None
+    start_ns: int
+    end_ns: int
+    trace_events: int = 0
+    first_event_id: int = 0
+    rank: int = 0
+    detail: str | None = None  # what triggered it (e.g. "step 812 took 41.2 ms, 11.3x the median")
+    numerics: bool = False  # numerics fully on for its steps (within --budget)
+    path: str | None = None  # its Chrome trace in the run folder (None once pruned by --max-disk)
+    pruned: bool = False
+
+
 # -- memory collector tables (issue 22) ----------------------------------------------------------------------------
 # One marked place so they can move to the collector's own table declarations (CaptureSession) later.
 @dataclass(frozen=True)
@@ -307,7 +355,9 @@ MEMORY_RECORDS: tuple[type[Any], ...] = (MemoryStep, MemoryBlock, MemoryPoint, M
 # -- end of the memory collector tables ----------------------------------------------------------------------------
 
 
-RECORD_TYPES: tuple[type[Any], ...] = (Run, TraceEvent, Step, OpRecord, OpDiff, CompileEvent, *MEMORY_RECORDS)
+RECORD_TYPES: tuple[type[Any], ...] = (
+    Run, TraceEvent, Step, OpRecord, OpDiff, CompileEvent, *MEMORY_RECORDS, PulseStep, TraceWindow
+)  # fmt: skip
 BULK_TABLES: dict[str, type[Any]] = {c.TABLE: c for c in RECORD_TYPES if c is not Run}
 
 # Tables a collector declares (``Collector.tables``): registered when the collector is loaded, so the spool and the

@@ -52,6 +52,8 @@ SECTIONS: dict[str, str] = {
     "numerics": "tpudiag.distributed.rank_numerics:build_section:render_section",  # every rank's, in a job
     "hlo_ops": "tpudiag.hlo_report:build_section:render_section",
     "distributed": "tpudiag.distributed.report_section:build_section:render_section",
+    "pulse": "tpudiag.longrun.report_section:build_pulse:render_pulse",
+    "windows": "tpudiag.longrun.report_section:build_windows:render_windows",
     "memory": "tpudiag.memory_report:build_section:render_section",
 }
 

@@ -61,7 +61,15 @@ def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock 
     finished = session.stop(outcome)
     if spawned is not None:
         finished = spawned.settle(finished)
-    delivered = session.deliver(finished)
+    try:
+        delivered = session.deliver(finished)
+    except (StoreError, OSError) as err:
+        # The script has run: a store or run folder that failed meanwhile (a full disk, issue 21) degrades the
+        # capture, never the script's exit status.  The spool stays in the run folder for the next command to recover.
+        session.note(f"the run could not be stored ({err}); the script's exit status stands")
+        result = CaptureResult(run.id, outcome.exit_code, outcome.status, session.active, session.ctx, False)
+        result.internal_errors = session.internal_errors_line
+        return result
     if spawned is not None and delivered.stored:
         spawned.merge(store, delivered.run)
     result = CaptureResult(run.id, outcome.exit_code, outcome.status, session.active, session.ctx, delivered.stored)

@@ -23,6 +23,7 @@ from tpudiag.collectors.numerics import device
 from tpudiag.collectors.numerics.backward_modules import BackwardModules
 from tpudiag.collectors.numerics.steps import ModuleBoundaries, StepBoundaries, StepState, on_top
 from tpudiag.collectors.numerics.summary import RunSummary, counts_line
+from tpudiag.longrun import control
 from tpudiag.plugins import CaptureContext
 
 PROGRESS_INTERVAL_TTY_S = 0.5
@@ -179,6 +180,9 @@ class NumericsCollector(StepBoundaries, RunSummary):
         self._ctx.spool.write_records(OpDiff, diffs)
 
     def _announce(self, record: Any, diff: Any) -> None:
+        # After warm-up a divergence opens a trace window (rate-limited by the trace collector's plan).
+        where = record.module or "no module"
+        control.request("numerics", detail=f"{record.op} seq {record.seq} ({where}): {diff.verdict}")
         if self._recorder.findings.originators == 1:
             self._clear_progress()
             sys.stderr.write(

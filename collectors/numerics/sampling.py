@@ -187,14 +187,30 @@ class Sampler:
     checked: dict[tuple[Any, ...], int] = field(default_factory=dict)  # signature -> calls really checked
 
     refusals: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    # Long runs (issue 21): ``boost`` checks every call (a trigger window wants numerics fully on); ``recheck``
+    # checks the first call of each signature once more in a periodic watched step, so a fault that starts late in
+    # the run is still found (both within the budget, which still refuses what it cannot afford).
+    boost: bool = False
+    recheck: bool = False
+    rechecked: set[tuple[Any, ...]] = field(default_factory=set)
 
     def wants(self, signature: tuple[Any, ...]) -> bool:
         """Whether this call is sampled (counts it either way)."""
         n = self.counts.get(signature, 0)
         self.counts[signature] = n + 1
-        if self.options.mode == "all":
+        if self.options.mode == "all" or self.boost:
             return True
-        return n - self.refusals.get(signature, 0) < self.options.first_k
+        if n - self.refusals.get(signature, 0) < self.options.first_k:
+            return True
+        if self.recheck and signature not in self.rechecked:
+            self.rechecked.add(signature)
+            return True
+        return False
+
+    def begin_step(self, boost: bool, recheck: bool) -> None:
+        self.boost, self.recheck = boost, recheck
+        if self.rechecked:
+            self.rechecked = set()
 
     def refused(self, signature: tuple[Any, ...]) -> None:
         """The sampled call was not checked (over budget): a later call of the signature may take its place."""
@@ -217,3 +233,32 @@ class StepSchedule:
     def wants(self, step: int) -> bool:
         """Whether step ``step`` (0-based, about to start) should be watched."""
         return self.watch_all or step < self.warmup or not self.steady or step % self.every == 0
+
+    def periodic(self, step: int) -> bool:
+        """Watched only because of the period (steady, past warm-up): a re-check step under the background
+        allowance (``Background``) when no ``--budget`` is given."""
+        return not self.watch_all and step >= self.warmup and self.steady and step % self.every == 0
+
+
+# Without --budget, periodic re-check steps in steady state spend at most this share of the time since the run
+# became steady (a watched step costs several plain ones: every 50th step unthrottled would cost ~10% for ever).
+BACKGROUND_PCT = 1.0
+# Without --budget, the steps of trigger windows (numerics fully on) spend at most this share of the run's time.
+BOOST_PCT = 5.0
+
+
+@dataclass
+class Background:
+    """The allowance of periodic re-check steps when no ``--budget`` is given (see ``BACKGROUND_PCT``)."""
+
+    pct: float = BACKGROUND_PCT
+    since_s: float | None = None
+    spent_s: float = 0.0
+
+    def affords(self, cost_s: float, now_s: float) -> bool:
+        if self.since_s is None:
+            self.since_s = now_s
+        return self.spent_s + cost_s <= self.pct / 100.0 * (now_s - self.since_s)
+
+    def charge(self, cost_s: float) -> None:
+        self.spent_s += max(cost_s, 0.0)

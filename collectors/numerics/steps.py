@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from tpudiag.longrun import control
+
 if TYPE_CHECKING:
     from tpudiag.collectors.numerics.backward_modules import BackwardModules
     from tpudiag.collectors.numerics.collector import NumericsCollector
@@ -160,12 +162,26 @@ class StepBoundaries:
             self._recorder.aggregate(mode.seq, op, phase, None, "budget", flops[1] * n / max(flops[0], 1), None, n)
         mode.spent_calls = {}
         mode.step_calls = {}
+        if st.watching and st.plain_s is not None:
+            if st.background_step:
+                st.background.charge(took - st.plain_s)
+            elif st.boost_step:
+                st.boost_budget.charge(took - st.plain_s)
         st.step += 1
-        want = st.schedule.wants(st.step) or st.rewatch
+        boost = control.numerics_wanted()  # a trigger window covers the next step: every op checked
+        want = st.schedule.wants(st.step) or st.rewatch or boost
+        periodic = not boost and not st.rewatch and st.schedule.periodic(st.step)
         if st.rewatch:
             st.schedule.steady = False  # new inputs: keep watching until a watched step meets nothing new
             st.rewatch = False
         affordable = budget.affords(st.watch_cost_s, now - mode.started)
+        if periodic and budget.pct is None:
+            affordable = st.background.affords(st.watch_cost_s, now)
+        elif boost and budget.pct is None:
+            affordable = st.boost_budget.affords(st.watch_cost_s, now - mode.started)
+        st.background_step = periodic
+        st.boost_step = boost and not periodic
+        mode.sampler.begin_step(boost, periodic)
         st.watching = want and affordable
         st.reason = "steady_state" if not want else "budget"
         st.partial = False
@@ -214,7 +230,7 @@ class StepState:
     """Where the step schedule stands (see ``sampling.StepSchedule``)."""
 
     def __init__(self) -> None:
-        from tpudiag.collectors.numerics.sampling import StepSchedule
+        from tpudiag.collectors.numerics.sampling import BOOST_PCT, Background, StepSchedule
 
         self.schedule = StepSchedule()
         self.step = 0
@@ -234,6 +250,10 @@ class StepState:
         self.budget_detaches = 0
         self.rewatch = False  # the root module saw new input shapes/dtypes while unwatched: watch the next step
         self.rewatches = 0
+        self.background = Background()  # periodic re-check steps without --budget (issue 21)
+        self.background_step = False  # the current step is one
+        self.boost_budget = Background(pct=BOOST_PCT, since_s=0.0)  # trigger windows' steps without --budget
+        self.boost_step = False
 
 
 def input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:

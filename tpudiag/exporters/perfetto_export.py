@@ -7,6 +7,7 @@ ui.perfetto.dev and chrome://tracing open it.  Contents:
   and, when the run has numerics results, the op's worst verdict for its (op, module);
 - flow events (``s`` on the host op, ``f`` with ``bp: e`` on the device event) link host ops to the device
   work they launched (``launch_id`` or a shared correlation id);
+- a long run's trace windows (issue 21): one slice per window, named by its reason, on a "tpudiag windows" track.
 - counter tracks (``C`` events) of the memory collector: live bytes in the trace windows and the per-step figures,
   on a process of their own named "memory".
 
@@ -57,6 +58,25 @@ def _flow_events(
     return events
 
 
+def _window_events(
+    spans: list[tuple[int, str, int, int, str | None]], pid: int, origin_ns: int
+) -> list[dict[str, Any]]:
+    """A long run's trace windows (issue 21) as one slice each on a "tpudiag windows" track, so each profiler
+    session is found and zoomed to at once; nothing for a run with a single window (a short script)."""
+    if len(spans) < 2:
+        return []
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "tpudiag windows"}},
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "windows"}},
+    ]
+    for wid, reason, start, end, detail in spans:
+        events.append(
+            {"ph": "X", "name": f"window {wid}: {reason}", "cat": "tpudiag_window", "pid": pid, "tid": 1,
+             "ts": _us(start - origin_ns), "dur": _us(max(end - start, 0)), "args": {"detail": detail or ""}}
+        )  # fmt: skip
+    return events
+
+
 def _memory_events(counters: list[tuple[str, int, str, int]], pid: int, origin_ns: int) -> list[dict[str, Any]]:
     if not counters:
         return []
@@ -87,6 +107,7 @@ class PerfettoExporter:
             flows = _flow_events(q.chrome_flows(con, run["id"]), ids, origin)
             memory_pid = max((t[0] for t in tracks), default=0) + 1
             flows += _memory_events(q.memory_counters(con, run["id"]), memory_pid, origin)
+            flows += _window_events(q.window_spans(con, run["id"]), memory_pid + 1, origin)
             total = q.count_rows(con, "trace_events", run["id"])
             progress = Progress(f"export perfetto {run['id']}", total)
             header = {

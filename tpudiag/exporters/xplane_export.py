@@ -310,31 +310,31 @@ class TensorBoardExporter:
     description = "XPlane files for the TensorBoard profile plugin / XProf (tensorboard --logdir OUT)"
 
     def export(self, store: Store, run: dict[str, Any], out_dir: Path, options: ExportOptions) -> list[Path]:
-        run_dir = out_dir / "plugins" / "profile" / safe_name(run["id"])
+        base = out_dir / "plugins" / "profile"
         default_host = safe_name(run.get("host") or "localhost")
         written: list[Path] = []
         with store.reader() as con:
             origin = q.time_origin_ns(con, run["id"])
             tracks = q.tracks(con, run["id"])
             ranks = q.ranks(con, run["id"]) or [0]
-            steps = q.steps(con, run["id"])
+            all_steps = q.steps(con, run["id"])
             verdicts = q.op_verdicts(con, run["id"])
             progress = Progress(f"export tensorboard {run['id']}", sum(t.events for t in tracks))
-            for rank in ranks:
-                # An imported trace keeps its own host's name (XProf lists hosts by file name).
-                named = trace_host(tracks, rank) if run.get("source") == "import" else None
-                host = safe_name(named) if named else default_host
-                writer = _SpaceWriter(host, origin if origin is not None else 0, run, verdicts)
-                multi = len({t.process for t in tracks if t.rank == rank and not t.on_device}) > 1
-                for batch in q.iter_rows(q.xplane_event_batches(con, run["id"], rank)):
-                    writer.add_batch(batch, multi, progress)
-                writer.add_steps([s for s in steps if s[0] == rank])
-                writer.add_memory(q.memory_points(con, run["id"], rank))
-                fname = f"{host}.xplane.pb" if ranks == [0] or named else f"{host}_{rank}.xplane.pb"
-                path = run_dir / fname
-                with atomic_file(path) as fh:
-                    fh.write(writer.space.SerializeToString())
-                written.append(path)
+            # A long run's trace windows (issue 21) are one XProf session each: <run>_wNNN_<reason>/.  A run with one
+            # window (a short script) or none keeps the single <run>/ session.
+            windows = q.trace_windows(con, run["id"])
+            sessions: list[tuple[Path, tuple[int, int] | None, tuple[int, int] | None]] = [
+                (base / safe_name(run["id"]), None, None)
+            ]
+            if len({w[0] for w in windows}) > 1:
+                sessions = [
+                    (base / f"{safe_name(run['id'])}_w{wid:03d}_{reason}", (first, first + n), (lo, hi))
+                    for wid, reason, first, n, lo, hi, _ in windows
+                ]
+            for run_dir, ids, step_range in sessions:
+                steps = [s for s in all_steps if step_range is None or step_range[0] <= s[1] <= step_range[1]]
+                written += self._sessions(con, run, run_dir, ids, ranks, tracks, steps, origin, verdicts, progress,
+                                          default_host)  # fmt: skip
         progress.finish()
         if options.include_original:
             for original in original_xplanes(run):
@@ -342,4 +342,37 @@ class TensorBoardExporter:
                 with atomic_file(target) as fh, open(original, "rb") as src:
                     shutil.copyfileobj(src, fh)
                 written.append(target)
+        return written
+
+    @staticmethod
+    def _sessions(
+        con: Any,
+        run: dict[str, Any],
+        run_dir: Path,
+        ids: tuple[int, int] | None,
+        ranks: list[int],
+        tracks: list[q.Track],
+        steps: list[Any],
+        origin: int | None,
+        verdicts: dict[tuple[str, str | None], str],
+        progress: Progress,
+        default_host: str,
+    ) -> list[Path]:
+        written: list[Path] = []
+        for rank in ranks:
+            # An imported trace keeps its own host's name (XProf lists hosts by file name).
+            named = trace_host(tracks, rank) if run.get("source") == "import" else None
+            host = safe_name(named) if named else default_host
+            writer = _SpaceWriter(host, origin if origin is not None else 0, run, verdicts)
+            multi = len({t.process for t in tracks if t.rank == rank and not t.on_device}) > 1
+            for batch in q.iter_rows(q.xplane_event_batches(con, run["id"], rank, ids)):
+                writer.add_batch(batch, multi, progress)
+            writer.add_steps([s for s in steps if s[0] == rank])
+            if ids is None or ids[0] == 0:  # the memory timeline goes with the run's (or its first window's) session
+                writer.add_memory(q.memory_points(con, run["id"], rank))
+            fname = f"{host}.xplane.pb" if ranks == [0] or named else f"{host}_{rank}.xplane.pb"
+            path = run_dir / fname
+            with atomic_file(path) as fh:
+                fh.write(writer.space.SerializeToString())
+            written.append(path)
         return written

@@ -79,16 +79,20 @@ def time_origin_ns(con: duckdb.DuckDBPyConnection, run_id: str) -> int | None:
     return int(rows[0][0]) if rows and rows[0][0] is not None else None
 
 
-def xplane_event_batches(con: duckdb.DuckDBPyConnection, run_id: str, rank: int) -> pa.RecordBatchReader:
-    """One rank's events ordered by track then time (parents before children), for building XLines."""
+def xplane_event_batches(
+    con: duckdb.DuckDBPyConnection, run_id: str, rank: int, ids: tuple[int, int] | None = None
+) -> pa.RecordBatchReader:
+    """One rank's events ordered by track then time (parents before children), for building XLines; ``ids``: only
+    event ids in [first, last) (one trace window)."""
     have = _columns(con, "trace_events")
     # A column the store predates (same schema version, older build) reads as NULL.
     cols = ", ".join(f'"{c}"' if c in have else f'NULL AS "{c}"' for c in XPLANE_COLUMNS)
     _settle(con)
+    lo, hi = ids if ids is not None else (-(2**62), 2**62)
     rel = con.sql(
-        f"SELECT {cols} FROM trace_events WHERE run_id = ? AND rank = ? "
+        f"SELECT {cols} FROM trace_events WHERE run_id = ? AND rank = ? AND event_id >= ? AND event_id < ? "
         "ORDER BY on_device, process, thread, start_ns, dur_ns DESC, event_id",
-        params=[run_id, rank],
+        params=[run_id, rank, lo, hi],
     )
     reader: pa.RecordBatchReader = rel.to_arrow_reader(BATCH_ROWS)
     return reader
@@ -280,6 +284,34 @@ def iter_rows(reader: pa.RecordBatchReader) -> Iterator[pa.RecordBatch]:
     for batch in reader:
         if batch.num_rows:
             yield batch
+
+
+def trace_windows(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[int, str, int, int, int, int, int]]:
+    """(window id, reason, first event id, events, first step, last step, rank) of a run's analysed trace windows
+    (issue 21); empty for runs without windows."""
+    have = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'trace_windows'").fetchone()
+    if not have or not have[0]:
+        return []
+    rows = con.execute(
+        "SELECT window_id, any_value(reason), any_value(first_event_id), max(trace_events), "
+        "coalesce(min(first_step), -1), coalesce(max(last_step), -1), rank FROM trace_windows WHERE run_id = ? "
+        "GROUP BY window_id, rank HAVING max(trace_events) > 0 ORDER BY window_id, rank",
+        [run_id],
+    ).fetchall()
+    return [(int(a), str(b), int(c), int(d), int(e), int(f), int(g)) for a, b, c, d, e, f, g in rows]
+
+
+def window_spans(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[int, str, int, int, str | None]]:
+    """(window id, reason, start ns, end ns, detail) of a run's trace windows, for a marker track."""
+    have = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'trace_windows'").fetchone()
+    if not have or not have[0]:
+        return []
+    rows = con.execute(
+        "SELECT window_id, any_value(reason), min(start_ns), max(end_ns), any_value(detail) FROM trace_windows "
+        "WHERE run_id = ? GROUP BY window_id ORDER BY window_id",
+        [run_id],
+    ).fetchall()
+    return [(int(a), str(b), int(c), int(d), e) for a, b, c, d, e in rows]
 
 
 def memory_counters(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[str, int, str, int]]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from tpudiag.model import BULK_TABLES, Run, column_kinds
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _DUCK_TYPES = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "str": "VARCHAR"}
 
@@ -58,4 +58,12 @@ def _v2_to_v3(con: Any) -> None:
         con.execute(_create_table(cls.TABLE, cls))
 
 
-MIGRATIONS: dict[int, Callable[[Any], None]] = {1: _v1_to_v2, 2: _v2_to_v3}
+def _v3_to_v4(con: Any) -> None:
+    """Long runs (issue 21): the pulse and the trace windows, new tables."""
+    from tpudiag.model import PulseStep, TraceWindow
+
+    con.execute(_create_table(PulseStep.TABLE, PulseStep))
+    con.execute(_create_table(TraceWindow.TABLE, TraceWindow))
+
+
+MIGRATIONS: dict[int, Callable[[Any], None]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}

@@ -1,0 +1,131 @@
+"""A long loop of fast steps (issue 21): plain python, the default ``tpudiag capture`` and ``torch.profiler`` with a
+schedule (20 active steps every 3,025), in one run, interleaved (``BENCH_ROUNDS`` rounds, default 1).
+
+The loop is tests/long_scripts/long_loop.py: a 7-layer MLP (AdamW), fixed wall time (``BENCH_LONG_S`` seconds,
+default 600), a run of planted slow steps at 40% of the run and a recompile at 70%.  Each mode reports the steps it
+got through in that time (throughput), its peak RSS, its longest step; the capture adds what its pulse saw: steps,
+tpudiag's own longest time in a step outside windows, the windows by reason, the run folder's size, and whether the
+planted anomalies opened their windows.
+
+Targets (issue 21): throughput >= 0.97x plain; peak RSS <= plain + 300 MB and flat; the disk under the cap; no stall
+outside windows over 50 ms; the planted anomalies captured.
+
+    BENCH_LONG_S=60 python -m bench.run long_run      # a short version (what a shared machine allows)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tpudiag import deferred_store
+from tpudiag.store import Store, pending
+
+REPO = Path(__file__).resolve().parents[1]
+LOOP = REPO / "tests" / "long_scripts" / "long_loop.py"
+THROUGHPUT_TARGET = 0.97
+RSS_TARGET_MB = 300
+STALL_TARGET_S = 0.05
+
+
+def _script(stdout: str) -> dict[str, Any]:
+    line = next(line for line in reversed(stdout.splitlines()) if line.startswith("{"))
+    data: dict[str, Any] = json.loads(line)
+    return data
+
+
+def _run(mode: str, work: Path, seconds: float, n: int) -> dict[str, Any]:
+    anomalies = ["--slow-at", f"{seconds * 0.4:g}", "--recompile-at", f"{seconds * 0.7:g}"]
+    loop = [str(LOOP), f"{seconds:g}", *anomalies]
+    db = work / f"b{n}.duckdb"
+    if mode == "plain":
+        cmd = [sys.executable, *loop]
+    elif mode == "profiler":
+        folder = work / f"prof{n}"
+        folder.mkdir()
+        cmd = [sys.executable, *loop, "--torch-profiler", str(folder)]
+    else:
+        cmd = [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), *loop]
+    proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, check=True)
+    out: dict[str, Any] = _script(proc.stdout)
+    if mode == "profiler":
+        out["disk_mb"] = round(sum(p.stat().st_size for p in (work / f"prof{n}").iterdir()) / 2**20, 1)
+    if mode == "capture":
+        pending.settle(Store(db), deferred_store.finish)  # the detached store write, before the next mode
+        rep = subprocess.run(
+            [sys.executable, "-m", "tpudiag", "report", "--db", str(db), "--json"], capture_output=True, text=True
+        )
+        data = json.loads(rep.stdout)
+        pulse, windows = data["pulse"] or {}, data["windows"] or []
+        run_dir = Path(data["run"]["artifacts_dir"])
+        reasons: dict[str, int] = {}
+        for w in windows:
+            reasons[w["reason"]] = reasons.get(w["reason"], 0) + 1
+        out.update(
+            pulse_steps=pulse.get("steps"),
+            tpudiag_max_outside_windows_s=pulse.get("tpudiag_max_outside_windows_s"),
+            step_time_p50_s=pulse.get("step_time_p50_s"),
+            step_time_p99_s=pulse.get("step_time_p99_s"),
+            windows=reasons,
+            disk_mb=round(sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file()) / 2**20, 1),
+            store_mb=round(db.stat().st_size / 2**20, 1),
+            slow_step_captured=any(
+                w["reason"] == "slow_step" and w["top_ops"] and w["top_ops"][0]["name"] == "aten::sort" for w in windows
+            ),
+            recompile_captured="recompile" in reasons,
+        )
+    return out
+
+
+def main() -> dict[str, object]:
+    seconds = float(os.environ.get("BENCH_LONG_S", "600"))
+    rounds = int(os.environ.get("BENCH_ROUNDS", "1"))
+    results: dict[str, list[dict[str, Any]]] = {"plain": [], "capture": [], "profiler": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        n = 0
+        for _ in range(rounds):
+            for mode in ("plain", "capture", "profiler"):
+                results[mode].append(_run(mode, work, seconds, n))
+                n += 1
+    plain_steps = max(r["steps"] for r in results["plain"])
+    plain_rss = max(r["rss_end_kb"] for r in results["plain"]) / 1024
+    cap = results["capture"][-1]
+    summary = {
+        "seconds_per_mode": seconds,
+        "short_mode": seconds < 600,
+        "throughput_vs_plain": {
+            m: round(max(r["steps"] for r in rs) / plain_steps, 3) for m, rs in results.items() if m != "plain"
+        },
+        "peak_rss_over_plain_mb": {
+            m: round(max(r["rss_end_kb"] for r in rs) / 1024 - plain_rss, 1)
+            for m, rs in results.items()
+            if m != "plain"
+        },
+        "capture_rss_growth_last_two_thirds_mb": round((cap["current_end_kb"] - cap["current_third_kb"]) / 1024, 1),
+        "longest_step_s": {m: round(max(r["longest_step_s"] for r in rs), 4) for m, rs in results.items()},
+        "capture_tpudiag_max_outside_windows_s": cap["tpudiag_max_outside_windows_s"],
+        "capture_pulse_covers_every_step": cap["pulse_steps"] == cap["steps"],
+        "capture_windows": cap["windows"],
+        "capture_disk_mb": cap["disk_mb"],
+        "capture_store_mb": cap["store_mb"],
+        "anomalies_captured": {"slow_step": cap["slow_step_captured"], "recompile": cap["recompile_captured"]},
+        "targets": {
+            "throughput_vs_plain": THROUGHPUT_TARGET,
+            "peak_rss_over_plain_mb": RSS_TARGET_MB,
+            "stall_outside_windows_s": STALL_TARGET_S,
+        },
+        "runs": results,
+    }
+    return summary
+
+
+if __name__ == "__main__":
+    from bench.common import write_result
+
+    write_result("long_run", main())

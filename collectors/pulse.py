@@ -1,0 +1,284 @@
+"""The pulse: one small record for every step of the run, always on (issue 21).
+
+Per step: wall time (first root-module forward to the end of the optimizer step), the gap since the previous step
+(data wait and whatever runs between steps), tpudiag's own time in its hooks, the root module's input shapes, compile
+events, whether a gradient was non-finite, and the figures of registered per-step probes (``tpudiag.longrun.probes``:
+memory, plugins).
+
+Cost: two ``perf_counter_ns`` calls, a tuple, a rolling median updated every 16 steps, and one small device op.
+Non-finiteness is read without a sync (and not inside trace windows, whose traces hold the script's ops only):
+each step sums the gradient of its smallest parameter on the device (every ``FULL_EVERY`` steps: the norms of all
+gradients) and the result is read at the *next* step's end, when it is long done: on the CPU reading is free, on
+CUDA only once its event has completed, on other devices (TPU) never during the run (the figure reads None: an
+``.item()`` would change the program).  A NaN in any gradient reaches every parameter through the update, so the
+one small gradient sees it a step later; the periodic full check covers the rest.
+
+Records are kept in a ring (the context a trigger window reports) and handed in batches to a writer thread that
+spools them every few seconds: memory does not grow with the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from tpudiag import internal_errors
+from tpudiag.longrun import control, probes
+from tpudiag.longrun.triggers import SlowSteps
+from tpudiag.plugins import CaptureContext
+
+FULL_EVERY = 64
+RING = 256
+WRITE_EVERY_S = 5.0
+WAKE_ROWS = 20_000
+COLUMNS = (
+    "step",
+    "start_ns",
+    "dur_ns",
+    "gap_ns",
+    "own_ns",
+    "shapes",
+    "compiles",
+    "recompiles",
+    "graph_breaks",
+    "nonfinite",
+    "window_id",
+    "figures",
+)
+
+
+def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    import torch
+
+    key: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append(tuple(a.shape))
+        elif isinstance(a, (list, tuple)) and a and len(a) <= 8:
+            key.append(tuple(tuple(v.shape) for v in a if isinstance(v, torch.Tensor)))
+    if kwargs:
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                key.append((k, tuple(v.shape)))
+    return tuple(key)
+
+
+class PulseRecorder:
+    def __init__(self, ctx: CaptureContext, rank: int = 0) -> None:
+        self._ctx = ctx
+        self.rank = rank
+        self.step = 0  # steps ended so far (the next step's index)
+        self._epoch_offset = time.time_ns() - time.perf_counter_ns()
+        self._start: int | None = None
+        self._prev_end: int | None = None
+        self._shapes: str | None = None
+        self._shape_json: dict[tuple[Any, ...], str | None] = {}
+        self._own = 0
+        self._compiles = control.compile_counts()
+        self._pending: tuple[Any, ...] | None = None  # the last step's record, waiting for its non-finite figure
+        self._check: Any = None  # (tensor, event or None) of the last step's gradient check
+        self._small: dict[int, Any] = {}  # optimizer id -> the parameter whose gradient is summed every step
+        self.ring: deque[tuple[Any, ...]] = deque(maxlen=RING)
+        self._batch: list[tuple[Any, ...]] = []
+        factor = ctx.options.get("slow_factor") or os.environ.get("TPUDIAG_SLOW_FACTOR")
+        self.slow = SlowSteps(factor=float(factor)) if factor else SlowSteps()
+        self.window_id: int | None = None  # set by the window planner while a window is open
+        self.nonfinite_steps = 0
+        self.rows = 0
+        self.degraded: str | None = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._lock = threading.Lock()
+        self._writer = threading.Thread(target=self._write_loop, name="tpudiag-pulse", daemon=True)
+        self._writer.start()
+
+    # -- per step (training thread) -----------------------------------------------------------------------
+    def now_ns(self) -> int:
+        return time.perf_counter_ns()
+
+    def add_own(self, ns: int) -> None:
+        self._own += ns
+
+    def step_begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        t0 = time.perf_counter_ns()
+        self._start = t0
+        key = _shape_key(args, kwargs)
+        shapes = self._shape_json.get(key, "")
+        if shapes == "":
+            shapes = json.dumps([list(s) if s and isinstance(s[0], int) else s for s in key]) if key else None
+            if len(self._shape_json) < 4096:
+                self._shape_json[key] = shapes
+        self._shapes = shapes
+        self._own += time.perf_counter_ns() - t0
+
+    def step_end(self, optimizer: Any) -> tuple[float, list[tuple[str, str]]]:
+        """End of a step (the optimizer's post-hook): its record; its duration in seconds and the triggers it fired
+        as (reason, detail)."""
+        end = time.perf_counter_ns()
+        start = self._start if self._start is not None else (self._prev_end or end)
+        gap = start - self._prev_end if self._start is not None and self._prev_end is not None else None
+        dur = end - start
+        step = self.step
+        fired: list[tuple[str, str]] = []
+        nonfinite_prev = self._read_check()
+        if self._pending is not None:
+            record = (*self._pending[:9], nonfinite_prev, *self._pending[10:])
+            self._keep(record)
+            if nonfinite_prev:
+                self.nonfinite_steps += 1
+                fired.append(("nonfinite", f"a non-finite gradient at step {record[0]}"))
+        self._start_check(optimizer, step)
+        compiles = control.compile_counts()
+        c0, r0, g0 = self._compiles
+        self._compiles = compiles
+        if compiles[1] > r0:
+            fired.append(("recompile", f"recompile at step {step}: {control.compile_detail() or ''}".rstrip(": ")))
+        if compiles[2] > g0:
+            fired.append(("graph_break", f"graph break at step {step}: {control.compile_detail() or ''}".rstrip(": ")))
+        median = self.slow.median_s
+        # A step's period (the gap before it, where data loading waits, and the step itself) is what slows a job.
+        # Steps inside a window (and the one that closes it) pay for the profiler and the checker: not a signal.
+        period = dur + (gap or 0)
+        # A step that compiled is slow for that reason: its recompile or graph break window says so.
+        if self.window_id is None and self.slow.check(period / 1e9) and median and not fired:
+            fired.append(
+                (
+                    "slow_step",
+                    f"step {step} took {period / 1e6:.1f} ms with the gap before it, "
+                    f"{period / 1e9 / median:.1f}x the median {median * 1e3:.2f} ms",
+                )
+            )
+        figures = probes.collect()
+        self._pending = (
+            step,
+            start + self._epoch_offset,
+            dur,
+            gap,
+            0,
+            self._shapes,
+            compiles[0] - c0,
+            compiles[1] - r0,
+            compiles[2] - g0,
+            None,
+            self.window_id,
+            json.dumps(figures) if figures else None,
+        )
+        self.step = step + 1
+        self._prev_end = end
+        self._start = None
+        own = self._own + (time.perf_counter_ns() - end)
+        self._own = 0
+        self._pending = (*self._pending[:4], own, *self._pending[5:])
+        return dur / 1e9, fired
+
+    def _keep(self, record: tuple[Any, ...]) -> None:
+        self.ring.append(record)
+        self._batch.append(record)
+        if len(self._batch) >= WAKE_ROWS:
+            self._wake.set()
+
+    # -- non-finite gradients, read a step late ---------------------------------------------------------------
+    def _start_check(self, optimizer: Any, step: int) -> None:
+        import torch
+
+        try:
+            if torch._C._autograd._profiler_enabled():
+                # Inside a trace window no check: the window's trace (and its exports) hold the script's ops only,
+                # as a capture without the pulse would.  The window's steps read None.
+                self._check = None
+                return
+            with torch.no_grad():
+                if step % FULL_EVERY == FULL_EVERY - 1:
+                    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+                    if not grads:
+                        self._check = None
+                        return
+                    value = torch.stack([n.float() for n in torch._foreach_norm(grads)]).sum()
+                else:
+                    param = self._small_param(optimizer)
+                    if param is None or param.grad is None:
+                        self._check = None
+                        return
+                    value = param.grad.sum(dtype=torch.float32)
+            event = None
+            if value.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            self._check = (value, event)
+        except Exception as err:
+            self._check = None
+            internal_errors.current().record("pulse", "gradient check", err)
+
+    def _small_param(self, optimizer: Any) -> Any:
+        key = id(optimizer)
+        param = self._small.get(key)
+        if param is None or param.grad is None:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if not params:
+                return None
+            param = min(params, key=lambda p: p.numel())
+            self._small[key] = param
+        return param
+
+    def _read_check(self, final: bool = False) -> bool | None:
+        check, self._check = self._check, None
+        if check is None:
+            return None
+        value, event = check
+        device = value.device.type
+        if device == "cpu" or (device == "cuda" and event is not None and event.query()) or final:
+            try:
+                return not math.isfinite(float(value))
+            except Exception:
+                return None
+        return None
+
+    # -- spooling (writer thread) -------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while not self._stopping:
+            self._wake.wait(WRITE_EVERY_S)
+            self._wake.clear()
+            self.write()
+
+    def write(self) -> None:
+        with self._lock:
+            batch, self._batch = self._batch, []
+            if not batch or self.degraded:
+                return
+            try:
+                self._ctx.spool.write_table("pulse", self._table(batch))
+                self.rows += len(batch)
+            except Exception as err:
+                self.degraded = str(err)
+                self._ctx.note(f"pulse: could not be written ({err}); the script went on, the pulse stopped there")
+
+    def _table(self, batch: list[tuple[Any, ...]]) -> Any:
+        import pyarrow as pa
+
+        from tpudiag.model import PulseStep, arrow_schema
+
+        cols: dict[str, list[Any]] = {name: [row[i] for row in batch] for i, name in enumerate(COLUMNS)}
+        cols["run_id"] = [self._ctx.run_id] * len(batch)
+        cols["rank"] = [self.rank] * len(batch)
+        schema = arrow_schema(PulseStep)
+        return pa.table({f.name: cols[f.name] for f in schema}, schema=schema)
+
+    def stop(self) -> None:
+        """The last step's record (its gradient check read now: the script has ended) and the last batch."""
+        if self._pending is not None:
+            nonfinite = self._read_check(final=True)
+            self._keep((*self._pending[:9], nonfinite, *self._pending[10:]))
+            if nonfinite:
+                self.nonfinite_steps += 1
+            self._pending = None
+        self._stopping = True
+        self._wake.set()
+        with contextlib.suppress(Exception):
+            self._writer.join(timeout=10)
+        self.write()

@@ -1,0 +1,276 @@
+"""The long-run parts on their own (issue 21): slow-step detection, the rate limit, the schedule, the disk cap, the
+window plan, the numerics sampler's re-checks, the manual trigger's poll, per-step probes, and the report's and
+dashboard's readers on hand-built pulse and window records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.factories import make_event, make_run, store_with
+from tpudiag.errors import UsageError
+from tpudiag.longrun import analyst, control, manual, probes, schedule, triggers
+from tpudiag.model import PulseStep, TraceWindow
+from tpudiag.store import Store, longrun_queries
+
+
+def test_slow_steps_flags_outliers_and_keeps_them_out_of_the_median() -> None:
+    slow = triggers.SlowSteps(factor=4.0, min_extra_s=0.005)
+    assert not any(slow.check(0.003) for _ in range(40))
+    assert slow.median_s == pytest.approx(0.003)
+    assert slow.check(0.050)  # 16x the median, 47 ms more
+    assert not slow.check(0.011)  # under 4x
+    for _ in range(40):
+        slow.check(0.050)  # a run of slow steps...
+    assert slow.median_s == pytest.approx(0.003)  # ...never becomes the new normal
+    tiny = triggers.SlowSteps(factor=4.0, min_extra_s=0.005)
+    for _ in range(20):
+        tiny.check(0.0001)
+    assert not tiny.check(0.001)  # 10x, but only 0.9 ms more: jitter
+
+
+def test_rate_limit_spaces_trigger_windows_but_never_holds_a_manual_one() -> None:
+    limit = triggers.RateLimit(min_interval_s=30.0, max_per_reason=2)
+    assert limit.allow("slow_step", 100.0)
+    assert not limit.allow("slow_step", 110.0)
+    assert limit.allow("recompile", 111.0)  # another reason is not held by the slow steps
+    assert limit.allow("manual", 112.0) and limit.allow("manual", 113.0)
+    assert limit.allow("slow_step", 190.0)
+    assert not limit.allow("slow_step", 500.0)  # its two are used up
+    assert limit.held == {"slow_step": 2}
+
+
+def test_schedule_parses_both_forms_and_refuses_bad_ones() -> None:
+    steps = schedule.parse("wait=100,warmup=1,active=3,repeat=2")
+    assert (steps.wait, steps.warmup, steps.active, steps.repeat, steps.every_s) == (100, 1, 3, 2, None)
+    assert steps.steps == 4
+    start = steps.first_steps
+    due = [s for s in range(0, 1000) if steps.due(s, 0, 0.0, 0.0, 0)]
+    assert due[:3] == [start + 100, start + 204, start + 308]
+    assert not steps.due(start + 100, 0, 0.0, 0.0, cycles=2)  # repeat=2 used up
+    timed = schedule.parse(None)
+    assert (timed.every_s, timed.active) == (120.0, 5)
+    assert not timed.due(50, 20, now_s=100.0, last_end_s=0.0, cycles=0)
+    assert timed.due(50, 20, now_s=121.0, last_end_s=0.0, cycles=0)
+    for bad in ("wait=x", "active=0", "every=10s,wait=3", "bogus=1", "wait"):
+        with pytest.raises(UsageError):
+            schedule.parse(bad)
+
+
+def _file(tmp_path: Path, name: str, size: int) -> Path:
+    p = tmp_path / name
+    p.write_bytes(b"x" * size)
+    return p
+
+
+def test_disk_cap_prunes_scheduled_windows_first_and_keeps_anomalies(tmp_path: Path) -> None:
+    cap = analyst.DiskCap(max_bytes=1000)
+    cap.add(0, "first_steps", _file(tmp_path, "w0", 300))
+    cap.add(1, "schedule", _file(tmp_path, "w1", 300))
+    cap.add(2, "slow_step", _file(tmp_path, "w2", 300))
+    cap.add(3, "schedule", _file(tmp_path, "w3", 300))
+    assert cap.allows("schedule", busy={3})  # over: window 1 goes (3 is still being analysed)
+    assert cap.pruned == [1] and not (tmp_path / "w1").exists() and (tmp_path / "w2").exists()
+    cap.add(4, "recompile", _file(tmp_path, "w4", 700))
+    assert not cap.allows("schedule", busy=set())  # window 3 pruned too, and still over: no scheduled window
+    assert cap.pruned == [1, 3]
+    assert cap.allows("nonfinite", busy=set())  # anomalies up to twice the cap
+    assert {p.name for p in tmp_path.iterdir()} == {"w0", "w2", "w4"}
+    assert analyst.parse_size("1.5GB") == int(1.5 * 2**30) and analyst.parse_size("500m") == 500 * 2**20
+    with pytest.raises(UsageError):
+        analyst.parse_size("lots")
+
+
+def _plan(**kw: Any) -> Any:
+    from tpudiag.collectors.windows import WindowPlan
+
+    return WindowPlan(
+        schedule.parse("every=1000s,active=3"), analyst.DiskCap(), triggers.RateLimit(min_interval_s=10), now_s=0.0,
+        **kw,
+    )  # fmt: skip
+
+
+def test_window_plan_first_steps_then_triggers_after_warm_up() -> None:
+    control.activate()
+    try:
+        plan = _plan()
+        assert plan.open is not None and plan.open.reason == "first_steps"
+        plan.plan(5, 1.0, [("slow_step", "early")], set)
+        assert not plan.close_next and plan.next is None  # inside the first window, before warm-up: ignored
+        plan.plan(20, 2.0, [], set)
+        assert plan.close_next
+        plan.closed(20, 2.0)
+        plan.plan(150, 3.0, [("slow_step", "step 149 took 40 ms")], set)
+        assert plan.next is not None and plan.next.reason == "slow_step" and plan.next.numerics
+        assert control.numerics_wanted()  # the numerics collector's hook, right after, watches step 150
+        window = plan.opened()
+        assert window is not None and (window.first_step, window.end_step, window.window_id) == (150, 155, 1)
+        plan.plan(153, 4.0, [("slow_step", "x")], set)  # during the window, within the limit (10 s): held
+        plan.plan(155, 5.0, [], set)
+        assert plan.close_next and plan.next is None
+        assert plan.limit.held == {"slow_step": 1}
+        plan.closed(155, 5.0)
+        control.request("manual", steps=2, numerics=False, detail="tpudiag trigger")
+        plan.plan(160, 6.0, [], set)
+        assert plan.next is not None and plan.next.reason == "manual" and plan.next.end_step == 162
+        assert not control.numerics_wanted()
+    finally:
+        control.deactivate()
+
+
+def test_requests_are_dropped_when_no_capture_runs_and_bad_reasons_refused() -> None:
+    control.deactivate()
+    assert control.request("manual") is False
+    with pytest.raises(ValueError):
+        control.request("because")
+
+
+def test_sampler_rechecks_each_signature_once_in_a_periodic_step_and_boost_checks_all() -> None:
+    from tpudiag.collectors.numerics.sampling import Sampler, SamplingOptions
+
+    s = Sampler(SamplingOptions(first_k=1))
+    sig = ("aten::tanh", ((4,),))
+    assert s.wants(sig) and not s.wants(sig)
+    s.begin_step(boost=False, recheck=True)
+    assert s.wants(sig) and not s.wants(sig)  # once in the re-check step
+    s.begin_step(boost=False, recheck=False)
+    assert not s.wants(sig)
+    s.begin_step(boost=True, recheck=False)
+    assert all(s.wants(sig) for _ in range(5))
+
+
+def test_background_allowance_grows_with_time() -> None:
+    from tpudiag.collectors.numerics.sampling import Background
+
+    bg = Background(pct=1.0)
+    assert not bg.affords(0.05, now_s=100.0)  # starts counting now
+    assert not bg.affords(0.05, now_s=104.0)  # 1% of 4 s = 40 ms
+    assert bg.affords(0.05, now_s=106.0)
+    bg.charge(0.05)
+    assert not bg.affords(0.05, now_s=108.0)
+
+
+def test_poller_reads_each_request_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "r1"
+    poller = manual.Poller(manual.trigger_folders(run_dir), 0.0)
+    assert not poller.due(0.1) and poller.due(1.0)
+    assert poller.poll(1.0) == []  # no folder yet
+    manual.write_request(run_dir, steps=4, numerics="all")
+    found = poller.poll(2.0)
+    assert [(r["steps"], r["numerics"]) for r in found] == [(4, "all")]
+    assert poller.poll(3.0) == []
+    worker = tmp_path / "runs" / "job" / "workers" / "host-0"  # a rank worker also reads the job's folder
+    assert manual.trigger_folders(worker)[1] == tmp_path / "runs" / "job" / "triggers"
+
+
+def test_probes_give_figures_unknown_as_none_and_a_failing_probe_is_dropped() -> None:
+    handle = probes.register("mem", lambda: {"allocated_bytes": 1024, "peak_bytes": None, "label": "x"})  # type: ignore[dict-item]
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("no")
+
+    bad = probes.register("bad", broken)
+    try:
+        assert probes.collect() == {"mem.allocated_bytes": 1024, "mem.peak_bytes": None, "mem.label": None}
+        assert "bad" not in probes.registered()
+    finally:
+        handle.remove()
+        bad.remove()
+    assert probes.collect() is None
+
+
+def _pulse(run_id: str, step: int, dur_ms: float, window: int | None = None) -> PulseStep:
+    return PulseStep(run_id=run_id, step=step, start_ns=step * 10_000_000, dur_ns=int(dur_ms * 1e6), gap_ns=100,
+                     own_ns=5_000, window_id=window)  # fmt: skip
+
+
+def _store_long_run(tmp_path: Path) -> tuple[Store, str]:
+    store = Store(tmp_path / "s.duckdb")
+    run = make_run(started_at=0.0)
+    pulse = [_pulse(run.id, i, 3.0, 0 if i < 3 else None) for i in range(200)]
+    pulse[120] = _pulse(run.id, 120, 90.0)
+    win0 = TraceWindow(run_id=run.id, window_id=0, reason="first_steps", first_step=0, last_step=2, start_ns=0,
+                       end_ns=30_000_000, trace_events=2, first_event_id=0)  # fmt: skip
+    win1 = TraceWindow(run_id=run.id, window_id=1, reason="slow_step", first_step=121, last_step=125,
+                       start_ns=1_210_000_000, end_ns=1_260_000_000, trace_events=2,
+                       first_event_id=analyst.first_event_id(1), detail="step 120: 90 ms",
+                       numerics=True)  # fmt: skip
+    events = [
+        make_event(run.id, 0, "aten::addmm", 0, 2_000),
+        make_event(run.id, 1, "aten::relu", 2_000, 1_000),
+        make_event(run.id, analyst.first_event_id(1), "aten::sort", 1_210_000_000, 50_000_000),
+        make_event(run.id, analyst.first_event_id(1) + 1, "aten::addmm", 1_250_000_000, 2_000),
+    ]
+    store_with(store, run, {PulseStep: pulse, TraceWindow: [win0, win1], type(events[0]): events})
+    return store, run.id
+
+
+def test_report_sections_read_the_pulse_and_each_windows_own_ops(tmp_path: Path) -> None:
+    from tpudiag.longrun.report_section import build_pulse, build_windows, render_pulse, render_windows
+
+    store, run_id = _store_long_run(tmp_path)
+    run = {"id": run_id}
+    pulse = build_pulse(store, run)
+    assert pulse is not None and pulse["steps"] == 200
+    assert pulse["step_time_p50_s"] == pytest.approx(0.003)
+    assert [s["step"] for s in pulse["slow_steps"]] == [120]
+    windows = build_windows(store, run)
+    assert windows is not None and [w["reason"] for w in windows] == ["first_steps", "slow_step"]
+    assert [o["name"] for o in windows[1]["top_ops"]] == ["aten::sort", "aten::addmm"]
+    assert [o["name"] for o in windows[0]["top_ops"]] == ["aten::addmm", "aten::relu"]
+    assert windows[1]["start_s"] == pytest.approx(1.21) and windows[1]["numerics"] is True
+    text = "\n".join(render_pulse(pulse) + render_windows(windows))
+    assert "200 steps" in text and "slow_step" in text and "top op aten::sort" in text
+    assert longrun_queries.step_times(store, run_id, max_points=50)[30]["dur_ns"] == 90_000_000  # bucket 120-123
+
+
+def test_timeline_page_shows_the_pulse_and_windows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    from tests.conftest import REPO
+
+    store, run_id = _store_long_run(tmp_path)
+    monkeypatch.setenv("TPUDIAG_DB", str(store.path))
+    at = AppTest.from_file(str(REPO / "app" / "main.py"), default_timeout=60)
+    at.run()
+    at.selectbox(key="run").set_value(run_id)
+    at.switch_page("views/timeline.py").run()
+    assert not at.exception, at.exception
+    assert {m.label: m.value for m in at.metric}["Steps"] == "200"
+    assert "slow_step" in str(at.dataframe[0].value)
+
+
+def test_pulse_sees_a_non_finite_gradient_a_step_later_and_records_every_step(tmp_path: Path) -> None:
+    import torch
+
+    from tpudiag.collectors.pulse import PulseRecorder
+    from tpudiag.plugins import CaptureContext
+    from tpudiag.spool import Spool
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx = CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / "spool"))
+    pulse = PulseRecorder(ctx)
+    fired_at: dict[str, int] = {}
+    x = torch.randn(3, 4)
+    for step in range(6):
+        pulse.step_begin((x,), {})
+        opt.zero_grad()
+        scale = float("nan") if step == 3 else 1.0
+        (model(x).sum() * scale).backward()
+        opt.step()
+        _, fired = pulse.step_end(opt)
+        for reason, _detail in fired:
+            fired_at.setdefault(reason, step)
+    pulse.stop()
+    assert fired_at.get("nonfinite") == 4  # step 3's gradient, read at step 4's end: no sync in step 3
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "spool" / "pulse")
+    cols = [table[c].to_pylist() for c in ("step", "nonfinite", "shapes")]
+    rows = sorted(zip(*cols, strict=True))
+    assert [r[0] for r in rows] == list(range(6))  # every step, the last one written at stop
+    assert rows[3][1] is True and rows[2][1] is False
+    assert rows[0][2] == "[[3, 4]]"

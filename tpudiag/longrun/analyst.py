@@ -1,0 +1,289 @@
+"""Each finished trace window analysed off the training process, at low priority, and the disk cap.
+
+The trace collector stops a window's profiler session at a step boundary, exports its Chrome trace to
+``trace/kineto-NNN.json`` and leaves a job file ``trace/jobs/window-NNN.json``.  A worker process of its own
+(``python -m tpudiag.longrun.analyst``, ``nice`` 10, started at the first job) analyses each job into spool parts
+named after the window (trace_events, steps, and the window's own row), then removes the job.  Parts named after
+the window make the work idempotent: whatever runs a job a second time (the capture's deferred ``finish`` after the
+worker died, or both at once) rewrites the same parts instead of adding copies.  The worker leaves when the job
+folder holds a ``STOP`` file and no job, or when the capture's process is gone.
+
+Disk (``--max-disk``): the windows' trace files are counted as they are exported.  Over the cap, the oldest
+scheduled window's file is deleted (its analysed rows stay, marked ``pruned``); anomaly windows are kept; when
+nothing is left to prune, scheduled windows stop opening.  The pulse is never pruned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tpudiag.atomic_file import atomic_file
+
+JOBS = "jobs"
+STOP = "STOP"
+LOG = "analyst.log"
+EVENT_ID_STRIDE = 100_000_000  # window k's events are numbered from k * stride: ids unique without a counter
+DEFAULT_MAX_DISK = 2 << 30
+NICE = 10
+_POLL_S = 0.25
+
+
+def first_event_id(window_id: int) -> int:
+    return window_id * EVENT_ID_STRIDE
+
+
+def write_job(trace_dir: Path, job: dict[str, Any]) -> Path:
+    folder = trace_dir / JOBS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"window-{int(job['window_id']):04d}.json"
+    with atomic_file(path, "w") as fh:
+        json.dump(job, fh)
+    return path
+
+
+def pending_jobs(trace_dir: Path) -> list[Path]:
+    folder = trace_dir / JOBS
+    try:
+        return sorted(p for p in folder.iterdir() if p.name.startswith("window-") and p.suffix == ".json")
+    except OSError:
+        return []
+
+
+# A collector's extra analysis of each window (the memory collector's allocator view): "module:function" called as
+# ``fn(ctx, path, trace, tables, part)``, named by the trace collector so this core module imports no collector.
+WINDOW_HOOK = "tpudiag.collectors.trace:analyse_window_extras"
+
+
+def _hook(spec: str | None) -> Any:
+    if not spec:
+        return None
+    import importlib
+
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def run_job(run_id: str, spool: Any, job_path: Path, hook: str | None = None) -> int:
+    """Analyse one window job into ``spool``; its event count.  The job file is removed once done."""
+    from tpudiag.model import TraceWindow
+    from tpudiag.traces import kineto, kineto_tables
+
+    try:
+        job = json.loads(job_path.read_text())
+    except FileNotFoundError:
+        return 0  # done by someone else meanwhile
+    wid = int(job["window_id"])
+    part = f"window-{wid:04d}"
+    path = Path(job["path"])
+    events = 0
+    if path.exists():
+        trace = kineto.load(path)
+        events = len(trace)
+        if events:
+            tables = kineto_tables.to_tables(
+                trace,
+                run_id=run_id,
+                first_event_id=int(job["first_event_id"]),
+                first_step=int(job.get("first_step") or 0),
+                whole_fallback=wid == 0,
+                module_sources=job.get("sources"),
+                root_inputs=job.get("roots") or [],
+            )
+            spool.write_table("trace_events", tables.events, part=part)
+            spool.write_table("steps", kineto_tables.steps_table(tables.steps, run_id), part=part)
+            extra = _hook(hook)
+            if extra is not None:
+                from tpudiag.plugins import CaptureContext
+
+                options = {"profile_memory": bool(job.get("profile_memory"))}
+                ctx = CaptureContext(run_id=run_id, run_dir=Path(job["run_dir"]), spool=spool, options=options)
+                extra(ctx, path, trace, tables, part)
+    row = TraceWindow(
+        run_id=run_id,
+        window_id=wid,
+        reason=str(job["reason"]),
+        first_step=job.get("first_step"),
+        last_step=job.get("last_step"),
+        start_ns=int(job["start_ns"]),
+        end_ns=int(job["end_ns"]),
+        trace_events=events,
+        first_event_id=int(job["first_event_id"]),
+        rank=int(job.get("rank") or 0),
+        detail=job.get("detail"),
+        numerics=bool(job.get("numerics")),
+        path=str(path),
+    )
+    from tpudiag.model import records_to_arrow
+
+    spool.write_table(TraceWindow.TABLE, records_to_arrow(TraceWindow, [row]), part=part)
+    with contextlib.suppress(FileNotFoundError):
+        job_path.unlink()
+    return events
+
+
+def run_pending(run_id: str, spool: Any, trace_dir: Path, hook: str | None = WINDOW_HOOK) -> int:
+    """Every job still waiting (the capture's deferred finish); how many were run."""
+    jobs = pending_jobs(trace_dir)
+    for job in jobs:
+        run_job(run_id, spool, job, hook)
+    tidy(trace_dir)
+    return len(jobs)
+
+
+def tidy(trace_dir: Path) -> None:
+    """Remove the job folder once it holds nothing but the STOP file."""
+    folder = trace_dir / JOBS
+    if not pending_jobs(trace_dir):
+        with contextlib.suppress(OSError):
+            (folder / STOP).unlink(missing_ok=True)
+            folder.rmdir()
+
+
+class Worker:
+    """The analysis process of one capture, started at the first job."""
+
+    def __init__(self, run_id: str, run_dir: Path, trace_dir: Path) -> None:
+        self.run_id, self.run_dir, self.trace_dir = run_id, run_dir, trace_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.failed: str | None = None
+
+    def kick(self) -> None:
+        if (self.proc is not None and self.proc.poll() is None) or self.failed:
+            return
+        try:
+            with open(self.trace_dir / LOG, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "tpudiag.longrun.analyst",
+                        str(self.run_dir),
+                        self.run_id,
+                        str(self.trace_dir),
+                        str(os.getpid()),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,  # the user's Ctrl-C does not reach it
+                    cwd=self.trace_dir,  # not the user's folder: a module of theirs cannot shadow one tpudiag imports
+                )
+        except OSError as err:
+            self.failed = str(err)
+
+    def stop(self, wait_s: float) -> None:
+        """Ask the worker to leave once its queue is empty; wait up to ``wait_s`` (what is left is run later)."""
+        with contextlib.suppress(OSError):
+            (self.trace_dir / JOBS).mkdir(parents=True, exist_ok=True)
+            (self.trace_dir / JOBS / STOP).touch()
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()  # the one it started; its unfinished job stays for the deferred finish
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+
+
+@dataclass
+class DiskCap:
+    """The windows' trace files against ``--max-disk`` (bytes)."""
+
+    max_bytes: int = DEFAULT_MAX_DISK
+    files: list[tuple[int, str, Path, int]] = field(default_factory=list)  # (window id, reason, path, bytes)
+    pruned: list[int] = field(default_factory=list)
+
+    def used(self) -> int:
+        return sum(size for _, _, _, size in self.files)
+
+    def add(self, window_id: int, reason: str, path: Path) -> None:
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return
+        self.files.append((window_id, reason, path, size))
+
+    def make_room(self, busy: set[int]) -> bool:
+        """Prune scheduled windows (oldest first, not ``busy`` ones still being analysed) until under the cap;
+        False when still over it."""
+        while self.used() >= self.max_bytes:
+            victim = next((f for f in self.files if f[1] == "schedule" and f[0] not in busy), None)
+            if victim is None:
+                return False
+            self.files.remove(victim)
+            with contextlib.suppress(OSError):
+                victim[2].unlink()
+            self.pruned.append(victim[0])
+        return True
+
+    def allows(self, reason: str, busy: set[int]) -> bool:
+        """Whether a window of ``reason`` may open: a scheduled one only under the cap (after pruning), an anomaly
+        window while anomaly windows alone stay under twice the cap."""
+        if reason in ("schedule", "first_steps"):
+            return self.make_room(busy)
+        self.make_room(busy)
+        return self.used() < 2 * self.max_bytes
+
+
+def parse_size(text: str) -> int:
+    """``500MB``, ``2G``, ``1.5GB``, ``1000000`` -> bytes."""
+    from tpudiag.errors import UsageError
+
+    raw = str(text).strip().upper().rstrip("B")
+    scale = 1
+    for suffix, mult in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if raw.endswith(suffix):
+            raw, scale = raw[:-1], mult
+            break
+    try:
+        value = float(raw) * scale
+    except ValueError:
+        raise UsageError(f"--max-disk {text!r}: expected a size such as 500MB or 2GB") from None
+    if value <= 0:
+        raise UsageError(f"--max-disk {text!r}: must be more than 0")
+    return int(value)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main(argv: list[str]) -> int:
+    """The worker: ``python -m tpudiag.longrun.analyst RUN_DIR RUN_ID TRACE_DIR PARENT_PID``."""
+    from tpudiag.spool import Spool
+
+    with contextlib.suppress(OSError):
+        os.nice(NICE)
+    run_dir, run_id, trace_dir, parent = Path(argv[0]), argv[1], Path(argv[2]), int(argv[3])
+    spool = Spool(run_dir / "spool")
+    while True:
+        jobs = pending_jobs(trace_dir)
+        for job in jobs:
+            try:
+                run_job(run_id, spool, job, WINDOW_HOOK)
+            except Exception as err:  # the job stays for the deferred finish, which says why if it fails again
+                sys.stderr.write(f"{time.strftime('%H:%M:%S')} {job.name}: {err!r}\n")
+                return 1
+        if not jobs:
+            if (trace_dir / JOBS / STOP).exists() or not _alive(parent):
+                return 0
+            time.sleep(_POLL_S)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,62 @@
+"""When a step is slow enough to open a window, and how often trigger windows may open (pure: no torch, no clock
+of its own; times are passed in)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+SLOW_FACTOR = 4.0  # k: a step slower than k x the rolling median
+SLOW_MIN_EXTRA_S = 0.005  # ... and at least this much slower (jitter of a millisecond step is not an anomaly)
+MEDIAN_WINDOW = 64  # steps in the rolling median
+MEDIAN_EVERY = 16  # the median is recomputed every this many steps (sorting 64 values costs a few microseconds)
+WARMUP_STEPS = 100  # no trigger fires before this many steps (compiles, allocator growth, caches)
+MIN_INTERVAL_S = 30.0  # between two trigger windows of one reason (a manual trigger is never held back)
+MAX_PER_REASON = 20  # trigger windows of one reason in a run; then that reason only counts
+
+
+@dataclass
+class SlowSteps:
+    """Rolling median of step durations; ``check`` says whether a step is an outlier."""
+
+    factor: float = SLOW_FACTOR
+    min_extra_s: float = SLOW_MIN_EXTRA_S
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=MEDIAN_WINDOW))
+    median_s: float | None = None
+    _since: int = 0
+
+    def check(self, dur_s: float) -> bool:
+        """Record a step; True when it is slower than ``factor`` x the median (outliers stay out of the median)."""
+        median = self.median_s
+        slow = median is not None and dur_s > self.factor * median and dur_s - median > self.min_extra_s
+        if not slow:
+            self.recent.append(dur_s)
+            self._since += 1
+            if (median is None and len(self.recent) >= 8) or self._since >= MEDIAN_EVERY:
+                ordered = sorted(self.recent)
+                self.median_s = ordered[len(ordered) // 2]
+                self._since = 0
+        return slow
+
+
+@dataclass
+class RateLimit:
+    """Trigger windows: per reason, at most one every ``min_interval_s`` seconds and ``max_per_reason`` in all (a
+    run that keeps slowing does not trace for ever, and a slow-step window does not mask a recompile's)."""
+
+    min_interval_s: float = MIN_INTERVAL_S
+    max_per_reason: int = MAX_PER_REASON
+    last_s: dict[str, float] = field(default_factory=dict)
+    opened: dict[str, int] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)  # triggers that fired but opened no window, by reason
+
+    def allow(self, reason: str, now_s: float) -> bool:
+        if reason != "manual":
+            last = self.last_s.get(reason)
+            too_soon = last is not None and now_s - last < self.min_interval_s
+            if too_soon or self.opened.get(reason, 0) >= self.max_per_reason:
+                self.held[reason] = self.held.get(reason, 0) + 1
+                return False
+        self.last_s[reason] = now_s
+        self.opened[reason] = self.opened.get(reason, 0) + 1
+        return True
