@@ -15,6 +15,11 @@
   window (``memory_window``) when the trace collector ran.
 
 Nothing here runs per op or per module call: the cost is one sample per step.
+
+- **Into the pulse** (long runs, ``tpudiag.longrun.probes``): the latest sample's figures join every pulse record
+  (``memory.allocated_bytes`` ...; unknown stays null), and growth of the live bytes past ``GROWTH_FACTOR`` times the
+  post-warm-up floor (and by at least ``GROWTH_MIN_BYTES``) asks for a ``memory`` trace window.  The probe reads the
+  sample this collector already took: it costs no second reading.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from typing import Any
 
 from tpudiag import internal_errors, runner
 from tpudiag.plugins import CaptureContext
+
+PROBE_FIGURES = ("allocated_bytes", "reserved_bytes", "peak_bytes", "rss_bytes", "device_used_bytes")
+GROWTH_FACTOR = 1.25
+GROWTH_MIN_BYTES = 64 << 20
 
 OOM_FILE = "oom.json"  # run_dir/memory/oom.json: the OOM record, for the trace window analysis to complete
 
@@ -102,6 +111,8 @@ class MemoryCollector:
         self._oom_holders: list[dict[str, Any]] = []
         self._is_compiling: Any = None
         self._main_thread = threading.main_thread()
+        self._probe: Any = None
+        self._floor: int | None = None  # the lowest live bytes seen after warm-up (growth is judged against it)
 
     # -- plugin protocol --------------------------------------------------------------------------------------
     def is_available(self) -> bool:
@@ -125,6 +136,9 @@ class MemoryCollector:
         self._is_compiling = torch.compiler.is_compiling
         self._hooks.append(register_optimizer_step_post_hook(module_calls.skip_in_dynamo(self._after_step)))
         self._remove_listener = runner.add_failure_listener(self._on_failure)
+        from tpudiag.longrun import probes
+
+        self._probe = probes.register("memory", self._pulse_figures)
         if ctx.options.get("memory_dispatch"):
             from tpudiag.collectors.memory_dispatch import LiveBytes
             from tpudiag.collectors.modules import ModuleTracker
@@ -200,6 +214,9 @@ class MemoryCollector:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
         if self._remove_listener is not None:
             self._remove_listener()
         self.flush()
@@ -218,6 +235,28 @@ class MemoryCollector:
                 self._ctx.spool.write_table("memory_blocks", records_to_arrow(MemoryBlock, held), part="oom-held")
 
     # -- per step ---------------------------------------------------------------------------------------------
+    def _pulse_figures(self) -> dict[str, Any]:
+        """The pulse probe: the latest sample's figures (no second reading), and a ``memory`` window when the live
+        bytes grew well past their post-warm-up floor."""
+        from tpudiag.longrun import triggers
+
+        try:
+            _, _, fig = self._rows[-1]
+        except IndexError:
+            fig = self._last_flushed or {}
+        live = next((fig[k] for k in ("allocated_bytes", "device_used_bytes", "rss_bytes") if fig.get(k)), None)
+        if live is not None and self._steps >= triggers.WARMUP_STEPS:  # as every trigger: after warm-up
+            if self._floor is None or live < self._floor:
+                self._floor = live
+            elif live > self._floor * GROWTH_FACTOR and live - self._floor >= GROWTH_MIN_BYTES:
+                from tpudiag.longrun import control
+
+                detail = f"live memory {live / 2**20:.0f} MiB at step {self._steps}, {live / self._floor:.2f}x its "
+                detail += f"floor of {self._floor / 2**20:.0f} MiB after warm-up"
+                if control.request("memory", numerics=False, detail=detail):
+                    self._floor = live  # the next window needs as much growth again
+        return {k: fig.get(k) for k in PROBE_FIGURES}
+
     def sample_step(self, step: int) -> dict[str, Any]:
         """One step's figures (the sampler's dict), kept for the next flush (records are built there, off the
         step)."""

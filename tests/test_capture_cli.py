@@ -208,7 +208,21 @@ def test_sigkill_leaves_a_run_that_is_later_marked_interrupted_with_its_flushed_
         """,
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), "--collect", "trace", str(script)],
+        # --trace all: the whole-run trace, cut into chunks at optimizer steps, is what is flushed as it goes.  (With
+        # the default trace windows the open window is the unflushed tail a kill loses; the pulse is kept.)
+        [
+            sys.executable,
+            "-m",
+            "tpudiag",
+            "capture",
+            "--db",
+            str(db),
+            "--collect",
+            "trace",
+            "--trace",
+            "all",
+            str(script),
+        ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -214,3 +214,43 @@ def test_a_full_run_folder_degrades_the_capture_not_the_script(tmp_path: Path) -
     assert "Traceback" not in proc.stderr
     degraded = [line for line in proc.stderr.splitlines() if "trace windows stopped" in line or "pulse:" in line]
     assert degraded, proc.stderr
+
+
+GROWING = """
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+kept = []
+for step in range(200):
+    loss = model(torch.randn(16, 32)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if step >= 130:
+        kept.append(torch.ones(2 << 20))  # 8 MiB more held every step: a leak
+print("steps", step + 1, "held", len(kept))
+"""
+
+
+@pytest.mark.slow
+def test_memory_growth_opens_a_memory_window_and_the_pulse_carries_memory(tmp_path: Path, db: Path) -> None:
+    """The memory collector's figures join every pulse record, and a leak past the post-warm-up floor opens a
+    ``memory`` window (issue 21 trigger, issue 22 figures)."""
+    script = tmp_path / "leak.py"
+    script.write_text(GROWING)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    proc = run_tpudiag("capture", "--db", str(db), "--wait", str(script), cwd=tmp_path, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == plain.stdout
+    data = _report(tmp_path, db)
+    memory_windows = _by_reason(data["windows"], "memory")
+    assert memory_windows, data["windows"]
+    assert memory_windows[0]["first_step"] > 130
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    rows = con.execute("SELECT step, figures FROM pulse ORDER BY step").fetchall()
+    con.close()
+    assert len(rows) == 200
+    rss = [json.loads(f)["memory.rss_bytes"] for _, f in rows if f]
+    assert len(rss) >= 195 and rss[-1] - rss[120] > 400 << 20

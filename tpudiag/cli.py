@@ -274,9 +274,10 @@ def build_parser(extra_commands: bool = True) -> argparse.ArgumentParser:
     p.add_argument(
         "--remote",
         metavar="URL",
-        help="distributed launchers: upload each node's shards, raw traces and XPlanes to gs://, s3:// or file:// "
-        "as they become final, from a separate uploader process (credentials from the environment); read them "
-        "back with `tpudiag gather URL` or `tpudiag report --remote URL`",
+        help="upload the run's shards, raw traces and XPlanes to gs://, s3:// or file:// from a separate uploader "
+        "process (credentials from the environment): a distributed launcher's nodes as files become final, a "
+        "single process as a one-rank job once its run is stored; read them back with `tpudiag gather URL`, "
+        "`tpudiag report --remote URL` or `tpudiag dashboard --remote URL`",
     )
     p.add_argument(
         "--trace-ranks",

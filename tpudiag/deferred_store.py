@@ -114,18 +114,40 @@ def remove_empty_tree(folder: Path) -> None:
     folder.rmdir()
 
 
+def _publish_if_asked(store: Store, run: Run) -> None:
+    """``capture --remote`` of one process: hand the stored run to ``python -m tpudiag.remote.single`` (a process
+    of its own: the remote package sits above this module and imports the store side)."""
+    up = store.run_dir(run.id) / "upload"
+    if not (up / "single.json").is_file():
+        return
+    try:
+        with atomic_file(up / "stored-run.json", "w") as fh:
+            json.dump(dataclasses.asdict(run), fh, default=str)
+        subprocess.Popen(
+            [sys.executable, "-m", "tpudiag.remote.single", str(store.path), run.id],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=sys.stderr,  # this child's log
+            start_new_session=True,
+            close_fds=True,
+        )
+    except OSError as err:
+        sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} run {run.id} not uploaded: {err}\n")
+
+
 def main(argv: list[str]) -> int:
     """The child: ``python -m tpudiag.deferred_store DB RUN_ID LOCK_FD`` (the locked marker's descriptor)."""
     db, run_id, fd = argv[0], argv[1], int(argv[2])
     store = Store(db, finisher=finish)
     marker = pending_dir(store) / run_id
     try:
-        finish(store, run_id)
+        run = finish(store, run_id)
     except Exception as err:
         sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} run {run_id} not stored: {err!r}\n")
         raise
     marker.unlink(missing_ok=True)
     os.close(fd)
+    _publish_if_asked(store, run)
     with contextlib.suppress(TpudiagError):
         store.recover_stale_runs()  # what a capture used to do before its script: off every user's path now
     log = store.run_dir(run_id) / LOG_FILE

@@ -47,6 +47,10 @@ def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock 
             run, run_dir, Spool(run_dir / "spool"), collectors, sink,
             options=options.collector_options, clock=clock, flush_s=options.flush_interval_s,
         )  # fmt: skip
+        if options.remote:  # a one-process run goes to the bucket as a one-rank job once it is stored
+            from tpudiag.remote import single
+
+            single.prepare(options.remote, run_dir)
         session.start()
     from tpudiag.distributed import reach  # spawned and elastic-agent workers become ranks of this run
 
@@ -72,6 +76,12 @@ def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock 
         return result
     if spawned is not None and delivered.stored:
         spawned.merge(store, delivered.run)
+    if options.remote and delivered.stored:  # else the detached child that stores the run publishes it
+        from tpudiag.remote import single
+
+        why = single.publish_if_asked(store, delivered.run, run_dir)
+        if why:
+            session.note(why)
     result = CaptureResult(run.id, outcome.exit_code, outcome.status, session.active, session.ctx, delivered.stored)
     result.internal_errors = session.internal_errors_line
     return result
@@ -86,8 +96,6 @@ def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
         raise UsageError("--run-id joins the nodes of one distributed job: needs torchrun (-m torch.distributed.run)")
     upload = None
     if options.remote:
-        if not is_launcher(target):
-            raise UsageError("--remote uploads a distributed job's shards: needs torchrun (-m torch.distributed.run)")
         from tpudiag.remote import JobUpload
 
         upload = JobUpload(options.remote)  # a bad URL or a missing client extra: a usage error, before the job

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -99,10 +100,31 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> N
 def cmd_dashboard(args: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise UsageError(f"unexpected arguments: {' '.join(rest)}")
+    if args.run and not args.remote:
+        raise UsageError("--run picks a run of --remote URL (a local store's runs are picked in the dashboard)")
+    if args.remote:
+        with tempfile.TemporaryDirectory(prefix="tpudiag-remote-view-") as tmp:
+            return _serve(args, remote_view(args.remote, args.run, Path(tmp)))
     path = resolve_db_path(args.db).absolute()
     if path.is_dir():
         raise StoreError(f"store path {path} is a directory, not a DuckDB file")
     check_store(path)
+    return _serve(args, path)
+
+
+def remote_view(url: str, run_id: str | None, folder: Path) -> Path:
+    """A view store of the bucket's run under ``folder`` (deleted when the dashboard stops)."""
+    from tpudiag.remote.location import parse, redact
+    from tpudiag.remote.view import view_store
+
+    remote = parse(url)
+    sys.stderr.write(f"tpudiag: reading {redact(remote.url)} ...\n")
+    store, run = view_store(folder, remote, run_id)
+    sys.stderr.write(f"tpudiag: run {run.id} ({run.status}) read from the bucket\n")
+    return store.path
+
+
+def _serve(args: argparse.Namespace, path: Path) -> int:
     host = args.host
     port = free_port(host) if args.port == 0 else args.port
     check_port(host, port)
@@ -142,4 +164,11 @@ def register(sub: Any) -> None:
     p.add_argument("--db", help="store path (default: $TPUDIAG_DB or ./tpudiag.duckdb)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument(
+        "--remote",
+        metavar="URL",
+        help="show a run straight from a bucket (gs://, s3://, file://) that `capture --remote` uploaded to: its "
+        "summaries are read with DuckDB over the bucket's Parquet, nothing is copied but them",
+    )
+    p.add_argument("--run", metavar="ID", help="with --remote: the run to show (default: the newest)")
     p.set_defaults(func=cmd_dashboard)

@@ -78,7 +78,8 @@ def load_rank_data(con: duckdb.DuckDBPyConnection, root: q.Root, run_id: str) ->
     q.set_bytes(con, run_id, {p: collective_bytes(*p) for p in pairs})
     infos = q.ranks(con, run_id)
     lost = _lost_ranks(run_id, infos, q.present_ranks(con, root))
-    q.insert_arrow(con, RankInfo.TABLE, records_to_arrow(RankInfo, lost))
+    if lost:  # Arrow (and DuckDB's pandas scan) only when there is something to insert
+        q.insert_arrow(con, RankInfo.TABLE, records_to_arrow(RankInfo, lost))
     q.set_numerics_counts(con, run_id, q.numerics_counts(con, root))
     rank_numerics_queries.load(con, root, run_id)  # every rank's divergent ops, not only the main tables' rank
     return q.ranks(con, run_id)
@@ -99,7 +100,12 @@ def finish(store: Store, run: Run, run_dir: Path, con: duckdb.DuckDBPyConnection
     if main_tables:
         q.load_main_tables(con, root, run.id, last, lowest)
         store.summarize_run(run.id, con)
+    return outcome(run, infos)
 
+
+def outcome(run: Run, infos: list[dict[str, Any]]) -> Run:
+    """The run's status and notes from its rank records (first failure per attempt, restarts)."""
+    last = max(int(r["restart"]) for r in infos)
     notes = list(run.notes)
     status = run.status
     for attempt in sorted({int(r["restart"]) for r in infos}):

@@ -98,5 +98,5 @@ def _rank_of(path: Path, run_dir: Path, ranks: dict[str, tuple[str, int]]) -> tu
     try:
         tag = path.resolve().relative_to(workers).parts[0]
     except (ValueError, IndexError):
-        return None
+        return ranks.get(run_dir.name)  # a one-process run: its rank record names the run folder itself
     return ranks.get(tag)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,9 +42,16 @@ _PROJECTIONS = {
         f"WHERE {_COLLECTIVES} "
         "UNION ALL SELECT DISTINCT rank, restart, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM {src}"
     ),
-    "ops": "SELECT DISTINCT rank, restart FROM {src}",
-    "op_diffs": "SELECT rank, restart, verdict FROM {src}",
+    # checked ops with what ``rank_numerics_queries`` lists of them, plus one row per (rank, restart)
+    "ops": "SELECT rank, restart, seq, checked, op, overload, module, phase, source_loc, step, kind, region, graph_id, "
+    "fx_node FROM {src} WHERE checked UNION ALL BY NAME SELECT DISTINCT rank, restart FROM {src}",
+    # every diff but skipped ones (no count or listing reads those), plus one row per (rank, restart)
+    "op_diffs": "SELECT * FROM {src} WHERE verdict <> 'skip' OR role IS NOT NULL "
+    "UNION ALL BY NAME SELECT DISTINCT rank, restart FROM {src}",
 }
+
+
+CHUNK = int(os.environ.get("TPUDIAG_REMOTE_CHUNK", "16"))  # objects per scan (see ``BucketShards.load``)
 
 
 class BucketShards:
@@ -62,17 +70,54 @@ class BucketShards:
     def files(self, table: str) -> list[str]:
         return sorted(self.by_table.get(table, []))
 
+    @staticmethod
+    def read(files: list[str]) -> str:
+        """A subquery over these objects (their ``node=`` partition dropped: a file column of no table)."""
+        names = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+        return f"(SELECT * EXCLUDE (node) FROM read_parquet([{names}], {_HIVE}))"
+
     def _remote(self, table: str) -> str:
-        files = ", ".join("'" + f.replace("'", "''") + "'" for f in self.files(table))
-        return f"(SELECT * EXCLUDE (node) FROM read_parquet([{files}], {_HIVE}))"
+        return self.read(self.files(table))
 
     def load(self, con: duckdb.DuckDBPyConnection) -> None:
+        # A scan through a Python filesystem holds some memory per object until it ends: objects go in chunks of
+        # CHUNK, so the peak does not grow with the number of ranks.
         for table in self.by_table:
-            query = _PROJECTIONS.get(table, "SELECT * FROM {src}").format(src=self._remote(table))
-            con.execute(f'CREATE TEMP TABLE "remote_{table}" AS {query}')
+            files = self.files(table)
+            for start in range(0, len(files), CHUNK):
+                query = _PROJECTIONS.get(table, "SELECT * FROM {src}").format(
+                    src=self.read(files[start : start + CHUNK])
+                )
+                if start == 0:
+                    con.execute(f'CREATE TEMP TABLE "remote_{table}" AS {query}')
+                else:
+                    con.execute(f'INSERT INTO "remote_{table}" BY NAME {query}')
 
     def source(self, table: str) -> str:
         return f'"remote_{table}"'
+
+    def drop(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Free the copies once the ``dist_*`` tables hold them (they would double what grows with ranks)."""
+        for table in self.by_table:
+            con.execute(f'DROP TABLE IF EXISTS "remote_{table}"')
+
+
+def connect_remote(con: duckdb.DuckDBPyConnection, remote: Remote, fs: Any, source: BucketShards, run_id: str) -> None:
+    """Let ``con`` read the bucket's objects through ``fs`` (no DuckDB extension), quietly."""
+    import duckdb
+
+    with contextlib.suppress(duckdb.Error):  # Jupyter refuses the setting without ipywidgets (no bar there)
+        con.execute("SET enable_progress_bar = false")  # DuckDB draws it on stdout, the report's (--json)
+    with contextlib.suppress(duckdb.Error):  # each object is read once: a cache of their bytes only costs memory
+        con.execute("SET enable_external_file_cache = false")
+    if remote.protocol == "file":
+        return
+    con.register_filesystem(fs)
+    # One listing per table of this run fills the client's directory cache: DuckDB asks each object's size and
+    # time several times, which would otherwise be a HEAD request each.
+    for table in source.by_table:
+        with contextlib.suppress(Exception):
+            fs.find(remote.path("shards", table, f"run_id={run_id}"))
 
 
 def remote_report(remote: Remote, run_id: str | None, memory_limit: str | None = None) -> dict[str, Any]:
@@ -83,21 +128,13 @@ def remote_report(remote: Remote, run_id: str | None, memory_limit: str | None =
     states = catalog.nodes(remote, fs, rid)
     con = duckdb.connect(":memory:")
     try:
-        with contextlib.suppress(duckdb.Error):  # Jupyter refuses the setting without ipywidgets (no bar there)
-            con.execute("SET enable_progress_bar = false")  # DuckDB draws it on stdout, the report's (--json)
         if memory_limit:
             con.execute(f"SET memory_limit = '{memory_limit}'")
-        if remote.protocol != "file":
-            con.register_filesystem(fs)
         source = BucketShards(remote, states)
-        if remote.protocol != "file":
-            # One listing per table of this run fills the client's directory cache: DuckDB asks each object's size
-            # and time several times, which would otherwise be a HEAD request each.
-            for table in source.by_table:
-                with contextlib.suppress(Exception):
-                    fs.find(remote.path("shards", table, f"run_id={rid}"))
+        connect_remote(con, remote, fs, source, rid)
         source.load(con)
         merge.load_rank_data(con, source, rid)
+        source.drop(con)
         section = section_from(con, rid)
     finally:
         con.close()

@@ -6,6 +6,7 @@ values (the comparison package builds its snapshot from them and never sees SQL)
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tpudiag.store import rank_numerics_queries
@@ -14,6 +15,31 @@ from tpudiag.store.queries import DEVICE_OP_CATEGORIES, HOST_OP_CATEGORIES, _dic
 
 FAIL_VERDICTS = ("fail", "overflow")
 OVERHEAD_CATEGORY = "tpudiag_overhead"  # the numerics checker's own work, recorded in the trace
+
+
+def _pulse_steps(con: Any, run_id: str, traced: int) -> list[dict[str, Any]] | None:
+    """Every step from the pulse (long runs trace only windows of steps, the pulse times them all), in the steps
+    table's form; None when the pulse holds no more steps than the trace (short scripts: the trace's steps)."""
+    rows = con.execute(
+        "SELECT step, start_ns, dur_ns, shapes FROM pulse WHERE run_id = ? AND rank = 0 ORDER BY start_ns, step",
+        [run_id],
+    ).fetchall()
+    if len(rows) <= traced:
+        return None
+
+    def compact(shapes: str | None) -> str | None:  # the steps table's spelling: [[16,32]]
+        return None if shapes is None else json.dumps(json.loads(shapes), separators=(",", ":"))
+
+    return [
+        {
+            "step": int(r[0]),
+            "start_ns": int(r[1]),
+            "dur_ns": int(r[2]),
+            "kind": "optimizer",
+            "input_shapes": compact(r[3]),
+        }
+        for r in rows
+    ]
 
 
 def run_material(store: Store, run_id: str, max_ops: int) -> dict[str, Any]:
@@ -26,6 +52,7 @@ def run_material(store: Store, run_id: str, max_ops: int) -> dict[str, Any]:
                 [run_id],
             )
         )
+        steps = _pulse_steps(con, run_id, len(steps)) or steps
         # Steps during which the numerics checker worked: their times measure tpudiag, not the script.
         checked = con.execute(
             "SELECT DISTINCT step FROM trace_events WHERE run_id = ? AND category = ? AND step IS NOT NULL",

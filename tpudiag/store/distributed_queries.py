@@ -173,23 +173,21 @@ def load_collectives(con: duckdb.DuckDBPyConnection, root: Root, run_id: str) ->
 def set_bytes(
     con: duckdb.DuckDBPyConnection, run_id: str, sizes: dict[tuple[str | None, str | None], int | None]
 ) -> None:
-    import pyarrow as pa
-
-    known = [(k, v) for k, v in sizes.items() if v is not None]
+    # A few distinct (shapes, dtypes) pairs: plain rows, no Arrow (registering Arrow data in DuckDB imports pandas
+    # too, ~85 MB that a bucket reader would carry for a handful of numbers).
+    known = [(k[0], k[1], v) for k, v in sizes.items() if v is not None]
     if not known:
         return
-    table = pa.table(
-        {"shapes": [k[0] for k, _ in known], "dtypes": [k[1] for k, _ in known], "n": [v for _, v in known]}
-    )
-    con.register("tpudiag_dist_sizes", table)
+    con.execute("CREATE OR REPLACE TEMP TABLE tpudiag_dist_sizes (shapes VARCHAR, dtypes VARCHAR, n BIGINT)")
     try:
+        con.executemany("INSERT INTO tpudiag_dist_sizes VALUES (?, ?, ?)", known)
         con.execute(
             "UPDATE dist_collectives AS c SET bytes = s.n FROM tpudiag_dist_sizes AS s "
             "WHERE c.run_id = ? AND c.shapes IS NOT DISTINCT FROM s.shapes AND c.dtypes IS NOT DISTINCT FROM s.dtypes",
             [run_id],
         )
     finally:
-        con.unregister("tpudiag_dist_sizes")
+        con.execute("DROP TABLE IF EXISTS tpudiag_dist_sizes")
 
 
 def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> None:
