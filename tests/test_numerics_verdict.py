@@ -6,13 +6,12 @@ import math
 
 import pytest
 
+from tpudiag.analysis.op_kinds import base_name, op_kind
 from tpudiag.analysis.verdict import (
     ELEMENTWISE_ULPS,
     Evidence,
-    base_name,
     decide,
     is_divergent,
-    op_kind,
     role,
     threshold,
 )

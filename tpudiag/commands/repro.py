@@ -28,7 +28,8 @@ import pathlib
 import torch
 
 from tpudiag.analysis.numerics_metrics import compare
-from tpudiag.analysis.verdict import Evidence, decide, eps_of, op_kind, working_dtype
+from tpudiag.analysis.op_kinds import op_kind
+from tpudiag.analysis.verdict import Evidence, decide, eps_of, working_dtype
 from tpudiag.oracle import ops as oracle
 
 parser = argparse.ArgumentParser()

@@ -256,7 +256,7 @@ class _Emulate(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.cast = cast
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from tpudiag.analysis.verdict import op_kind
+        from tpudiag.analysis.op_kinds import op_kind
 
         name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
         if op_kind(name) == "matmul" or name.startswith("convolution"):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tpudiag.analysis.verdict import op_kind
+from tpudiag.analysis.op_kinds import op_kind
 from tpudiag.oracle.copies import Float64Copies
 
 UNINITIALIZED = {

@@ -9,7 +9,8 @@ import sys
 from typing import Any
 
 from tpudiag import console
-from tpudiag.analysis.verdict import is_divergent, op_kind
+from tpudiag.analysis.op_kinds import op_kind
+from tpudiag.analysis.verdict import is_divergent
 from tpudiag.collectors.numerics.compiled import nodes as fx_nodes
 from tpudiag.model import OpRecord
 

@@ -1,0 +1,281 @@
+"""Step boundaries of the numerics collector: optimizer steps, else root-module forwards, attach and detach the
+dispatch mode and its module hooks as ``sampling.StepSchedule`` and ``--budget`` decide; an unwatched step's calls
+are replayed as skipped from the last watched step; a root module's new input shapes ask for the next step to be
+watched.
+
+A mixin of ``NumericsCollector`` (``StepBoundaries``), its ``module_calls`` listener (``ModuleBoundaries``) and the
+schedule's state (``StepState``)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from tpudiag.longrun import control
+
+if TYPE_CHECKING:
+    from tpudiag.collectors.numerics.backward_modules import BackwardModules
+    from tpudiag.collectors.numerics.collector import NumericsCollector
+
+
+class StepBoundaries:
+    _mode: Any
+    _recorder: Any
+    _tracker: Any
+    _backward: BackwardModules | None
+    _entered: bool
+    _module_hook_on: bool
+    _hooks_on: bool
+    _root: Any
+    _opt_steps: int
+    _steps: StepState
+    _probes: set[int]
+    _root_inputs: set[tuple[Any, ...]]
+
+    def _attach(self) -> None:
+        """Module hooks on, mode pushed (only at a step boundary: no forward is running)."""
+        assert self._tracker is not None and self._backward is not None
+        self._module_hook_on = True
+        if not self._hooks_on:
+            self._tracker.install()
+            self._backward.install()
+            self._hooks_on = True
+        if not self._entered:
+            self._mode.detach_requested = False
+            self._mode.__enter__()
+            self._entered = True
+
+    def _leave_mode(self) -> bool:
+        if self._entered and on_top(self._mode):
+            self._mode.__exit__(None, None, None)
+            self._entered = False
+        return not self._entered
+
+    def _detach(self) -> None:
+        """Mode popped and module hooks off: the script runs as without tpudiag until the next attach."""
+        if self._leave_mode() and self._hooks_on:
+            assert self._tracker is not None and self._backward is not None
+            self._tracker.remove()
+            self._backward.remove()
+            self._hooks_on = False
+            if self._opt_steps:
+                # Optimizer steps are the boundaries: unwatched steps need nothing from module calls.
+                self._module_hook_on = False
+
+    def _on_module(self, module: Any, args: Any) -> None:
+        """Root forwards are step boundaries for scripts without an optimizer; budget detach mid-step."""
+        tracker = self._tracker
+        if self._entered and tracker is not None and id(module) not in self._probes and tracker.current() is None:
+            self._add_probe(module)
+        if self._opt_steps == 0 and self._tracker is not None:
+            if self._root is None:
+                if self._entered and self._tracker.current() is None:
+                    self._root = module
+                    return
+            elif module is self._root:
+                self._boundary()
+                return
+        mode: Any = self._mode
+        # The first step is watched to its end (checks stop, the mode only counts) so that the calls of the steps
+        # not watched later can be counted from it: a one-step pass-through cost, charged to the budget.
+        if self._steps.profile is None:
+            return
+        if self._entered and mode is not None and mode.detach_requested and self._leave_mode():
+            self._steps.partial = True
+            self._steps.budget_detaches += 1
+
+    def _add_probe(self, root: Any) -> None:
+        """This root module's inputs are probed on every step, watched or not: new shapes or dtypes ask for the
+        next step to be watched."""
+        self._probes.add(id(root))
+
+    def _probe(self, module: Any, args: Any, kwargs: Any) -> None:
+        signature = input_signature(args, kwargs)
+        if signature in self._root_inputs:
+            return
+        self._root_inputs.add(signature)
+        st = self._steps
+        if not st.watching and len(self._root_inputs) > 1:
+            st.rewatch = True
+            st.rewatches += 1
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        import torch
+
+        if torch.compiler.is_compiling():
+            # Dynamo is tracing a compiled optimizer step: it must see nothing but this early return (the global
+            # hook stays registered for the whole capture, so its guard on the hook dict never changes).
+            return
+        from tpudiag import internal_errors
+
+        with internal_errors.current().guard("numerics", "optimizer step hook"):
+            self._opt_steps += 1
+            self._boundary()
+
+    def _boundary(self) -> None:
+        """End of a step: learn from it, replay its ops if it was not watched, decide whether to watch the next."""
+        import torch
+
+        mode: Any = self._mode
+        if mode is None or not mode.active or torch.compiler.is_compiling():
+            return
+        st = self._steps
+        now = time.perf_counter()
+        took = now - st.t0
+        budget = mode.budget
+        spent_in_step = budget.spent() - st.spent0
+        if st.watching:
+            signatures = len(mode.sampler.counts)
+            if not st.partial:
+                st.schedule.step_done(signatures - st.signatures0)
+                st.profile = mode.step_calls
+            elif st.profile is None:
+                st.profile = mode.step_calls
+            checks_in_step = budget.check_s - st.check0
+            if st.plain_s is not None and budget.pct is not None:
+                measured = max(took - st.plain_s, 0.0)
+                budget.correction_s += max(measured - spent_in_step, 0.0)
+                cost = max(measured, spent_in_step)
+            else:
+                cost = spent_in_step
+                if st.step > 0:
+                    # The first step's wall time holds the script's own warm-up (lazy initialisation, optimizer
+                    # state, allocator growth): compared with a warm plain step it would be charged to the checker.
+                    # Its cost is what the mode measured, plus the calibrated entry cost per op.
+                    st.unmeasured.append((took, spent_in_step))
+            # What watching costs by itself (dispatch, hooks), plus one typical check: checks are then admitted one
+            # by one inside the step as the allowance permits.
+            st.watch_cost_s = max(cost - checks_in_step, 0.0) + budget.typical_check_s()
+            if st.partial:
+                self._replay("budget", seen=mode.step_calls)
+            st.watched += 1
+        else:
+            st.plain_s = took if st.plain_s is None else min(st.plain_s, took)
+            # Watched steps (after the first) from before any plain step was timed: charge what they really cost.
+            for took_w, spent_w in st.unmeasured:
+                budget.correction_s += max(took_w - st.plain_s - spent_w, 0.0)
+            st.unmeasured.clear()
+            self._replay(st.reason)
+            st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
+        for (op, phase), n in mode.spent_calls.items():
+            flops = st.profile.get((op, phase), [1, 0.0]) if st.profile else [1, 0.0]
+            self._recorder.aggregate(mode.seq, op, phase, None, "budget", flops[1] * n / max(flops[0], 1), None, n)
+        mode.spent_calls = {}
+        mode.step_calls = {}
+        if st.watching and st.plain_s is not None:
+            if st.background_step:
+                st.background.charge(took - st.plain_s)
+            elif st.boost_step:
+                st.boost_budget.charge(took - st.plain_s)
+        st.step += 1
+        boost = control.numerics_wanted()  # a trigger window covers the next step: every op checked
+        want = st.schedule.wants(st.step) or st.rewatch or boost
+        periodic = not boost and not st.rewatch and st.schedule.periodic(st.step)
+        if st.rewatch:
+            st.schedule.steady = False  # new inputs: keep watching until a watched step meets nothing new
+            st.rewatch = False
+        affordable = budget.affords(st.watch_cost_s, now - mode.started)
+        if periodic and budget.pct is None:
+            affordable = st.background.affords(st.watch_cost_s, now)
+        elif boost and budget.pct is None:
+            affordable = st.boost_budget.affords(st.watch_cost_s, now - mode.started)
+        st.background_step = periodic
+        st.boost_step = boost and not periodic
+        mode.sampler.begin_step(boost, periodic)
+        st.watching = want and affordable
+        st.reason = "steady_state" if not want else "budget"
+        st.partial = False
+        if st.watching:
+            self._attach()
+        else:
+            self._detach()
+            st.watching = self._entered  # a mode of the script's own above ours: keep watching
+        st.signatures0 = len(mode.sampler.counts)
+        st.t0 = time.perf_counter()
+        st.spent0 = budget.spent()
+        st.check0 = budget.check_s
+
+    def _replay(self, reason: str, seen: dict[tuple[str, str], list[Any]] | None = None) -> None:
+        """Record the calls of an unwatched step (or the unwatched rest of a step) as skipped for ``reason``."""
+        profile = self._steps.profile
+        if not profile or self._recorder is None:
+            return
+        seq = self._mode.seq
+        for (op, phase), (calls, flops) in profile.items():
+            done = seen.get((op, phase), [0, 0.0])[0] if seen else 0
+            rest = calls - done
+            if rest > 0:
+                self._recorder.aggregate(seq, op, phase, None, reason, flops * rest / calls, None, calls=rest)
+
+
+class ModuleBoundaries:
+    """The numerics collector's ``module_calls`` listener: root forwards (step boundaries in scripts without an
+    optimizer, the root input probe) and budget detaches at module boundaries."""
+
+    def __init__(self, collector: NumericsCollector) -> None:
+        self._collector = collector
+
+    def enter(self, module: Any, args: Any, kwargs: Any) -> None:
+        c = self._collector
+        if id(module) in c._probes:
+            c._probe(module, args, kwargs)
+        if c._module_hook_on:
+            c._on_module(module, args)
+
+    def exit(self, module: Any, token: Any, output: Any, failed: bool) -> None:
+        return None
+
+
+class StepState:
+    """Where the step schedule stands (see ``sampling.StepSchedule``)."""
+
+    def __init__(self) -> None:
+        from tpudiag.collectors.numerics.sampling import BOOST_PCT, Background, StepSchedule
+
+        self.schedule = StepSchedule()
+        self.step = 0
+        self.watching = True
+        self.partial = False  # the budget detached the mode inside the current step
+        self.reason = "steady_state"  # why the current step is not watched
+        self.t0 = 0.0
+        self.spent0 = 0.0
+        self.check0 = 0.0
+        self.signatures0 = 0
+        self.plain_s: float | None = None  # fastest unwatched step
+        self.watch_cost_s = 0.0  # extra seconds the last watched step cost
+        self.unmeasured: list[tuple[float, float]] = []  # (wall, charged) of watched steps before a plain one
+        self.profile: dict[tuple[str, str], list[Any]] | None = None  # (op, phase) -> [calls, flops]
+        self.watched = 0
+        self.unwatched: dict[str, int] = {}
+        self.budget_detaches = 0
+        self.rewatch = False  # the root module saw new input shapes/dtypes while unwatched: watch the next step
+        self.rewatches = 0
+        self.background = Background()  # periodic re-check steps without --budget (issue 21)
+        self.background_step = False  # the current step is one
+        self.boost_budget = Background(pct=BOOST_PCT, since_s=0.0)  # trigger windows' steps without --budget
+        self.boost_step = False
+
+
+def input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
+    """(shape, dtype) of every tensor among a module's inputs (top level and inside lists, tuples, dicts)."""
+    import torch
+
+    out: list[Any] = []
+    todo: list[Any] = [args, kwargs]
+    while todo and len(out) < 64:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            out.append((tuple(x.shape), x.dtype))
+        elif isinstance(x, (list, tuple)):
+            todo.extend(reversed(x))
+        elif isinstance(x, dict):
+            todo.extend(reversed(list(x.values())))
+    return tuple(out)
+
+
+def on_top(mode: Any) -> bool:
+    """Whether ``mode`` is the innermost dispatch mode (the only one that may be exited)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    current: Any = _get_current_dispatch_mode()
+    return current is mode
