@@ -156,6 +156,10 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> Captured:
                     name,
                     "--collect",
                     COLLECT,
+                    # The whole-run trace: these tests are about compare's statistics over every step's op times.
+                    # (Default trace windows time every step through the pulse, ops only inside windows.)
+                    "--trace",
+                    "all",
                     "model.py",
                 ],
                 cwd=root,

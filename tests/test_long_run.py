@@ -254,3 +254,32 @@ def test_memory_growth_opens_a_memory_window_and_the_pulse_carries_memory(tmp_pa
     assert len(rows) == 200
     rss = [json.loads(f)["memory.rss_bytes"] for _, f in rows if f]
     assert len(rss) >= 195 and rss[-1] - rss[120] > 400 << 20
+
+
+SIXTY_STEPS = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(60):
+    loss = model(torch.randn(8, 32)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("loss", round(float(loss), 3))
+"""
+
+
+@pytest.mark.slow
+def test_compare_times_every_step_through_the_pulse(tmp_path: Path, db: Path) -> None:
+    """With trace windows the trace holds only the first steps: compare's step section reads every step from the
+    pulse (the steady comparison would otherwise see only the first window's steps)."""
+    script = tmp_path / "sixty.py"
+    script.write_text(SIXTY_STEPS)
+    for name in ("a", "b"):
+        proc = run_tpudiag("capture", "--db", str(db), "--wait", "--name", name, str(script), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+    out = run_tpudiag("compare", "a", "b", "--db", str(db), "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    steady = json.loads(out.stdout)["steps"]["steady"]
+    assert steady["n_a"] >= 50 and steady["n_b"] >= 50, steady
