@@ -14,7 +14,7 @@ from tests.factories import make_event, make_run, make_step, store_with
 from tpudiag.cli import main
 from tpudiag.exporters.parquet_export import read_schema_version
 from tpudiag.model import OpDiff, OpRecord, Step, TraceEvent
-from tpudiag.store import SCHEMA_VERSION, Store
+from tpudiag.store import SCHEMA_VERSION, Store, export_queries
 
 AGGREGATES = {
     "trace_events": "SELECT count(*), sum(dur_ns), sum(self_ns), count(DISTINCT name), "
@@ -50,9 +50,9 @@ def test_parquet_round_trip_gives_same_aggregates(db: Path, tmp_path: Path, caps
     out = tmp_path / "pq"
     assert main(["export", run_id, "--db", str(db), "--format", "parquet", "--out", str(out)]) == 0
     printed = capsys.readouterr().out.split()
-    assert sorted(Path(p).name for p in printed) == sorted(
-        f"{t}.parquet" for t in ("runs", "trace_events", "steps", "ops", "op_diffs", "compile_events")
-    )
+    # Every table of a run, the memory and long-run ones too (empty here), one file each.
+    assert sorted(Path(p).name for p in printed) == sorted(f"{t}.parquet" for t in export_queries.RUN_TABLES)
+    assert {"runs", "trace_events", "steps", "ops", "op_diffs", "compile_events"} <= set(export_queries.RUN_TABLES)
     fresh = duckdb.connect(str(tmp_path / "fresh.duckdb"))
     with store.reader() as con:
         for table, sql in AGGREGATES.items():
