@@ -78,3 +78,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         if not skip_allowed_in_ci(reason):
             report.outcome = "failed"
             report.longrepr = f"skipped under CI=true for a reason CI does not allow ({reason}): fix the install"
+
+
+def script_env(tmp: Path, name: str, **extra: str) -> dict[str, str]:
+    """The environment a behaviour comparison runs a script in, plain or captured: its own Inductor cache, no hub,
+    a fixed hash seed, and no store from the caller's environment."""
+    env = dict(os.environ)
+    env.pop("TPUDIAG_DB", None)
+    env.update(
+        {
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor-{name}"),
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONHASHSEED": "0",
+            "TPUDIAG_LOCK_TIMEOUT": "60",
+            **extra,
+        }
+    )
+    return env
+
+
+def without_tpudiag_lines(text: str) -> list[str]:
+    """A script's stderr without tpudiag's own lines: what must equal plain Python's."""
+    return [line for line in text.splitlines() if not line.startswith(("tpudiag:", "tpudiag numerics:"))]

@@ -11,14 +11,13 @@ by the numerics collector, trace events, compile events where there were compile
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_tpudiag
+from tests.conftest import REPO, run_tpudiag, script_env, without_tpudiag_lines
 
 SCRIPTS = Path(__file__).parent / "behaviour_scripts"
 
@@ -32,24 +31,6 @@ CASES = {
 }
 
 
-def _env(tmp: Path, name: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("TPUDIAG_DB", None)
-    env.update(
-        {
-            "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor-{name}"),
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONHASHSEED": "0",
-            "TPUDIAG_LOCK_TIMEOUT": "60",
-        }
-    )
-    return env
-
-
-def _without_tpudiag_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if not line.startswith(("tpudiag:", "tpudiag numerics:"))]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_default_capture_behaves_as_plain_python(case: str, tmp_path: Path) -> None:
@@ -59,7 +40,7 @@ def test_default_capture_behaves_as_plain_python(case: str, tmp_path: Path) -> N
     plain = subprocess.run(
         [sys.executable, str(SCRIPTS / script), *args],
         cwd=work,
-        env=_env(tmp_path, "plain"),
+        env=script_env(tmp_path, "plain"),
         capture_output=True,
         text=True,
         timeout=600,
@@ -69,7 +50,7 @@ def test_default_capture_behaves_as_plain_python(case: str, tmp_path: Path) -> N
     captured = subprocess.run(
         [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), str(SCRIPTS / script), *args],
         cwd=work,
-        env=_env(tmp_path, "captured"),
+        env=script_env(tmp_path, "captured"),
         capture_output=True,
         text=True,
         timeout=900,
@@ -77,7 +58,7 @@ def test_default_capture_behaves_as_plain_python(case: str, tmp_path: Path) -> N
     assert captured.returncode == plain.returncode, captured.stderr[-3000:]
     assert captured.stdout == plain.stdout
     assert "digest " in plain.stdout
-    assert _without_tpudiag_lines(captured.stderr) == _without_tpudiag_lines(plain.stderr)
+    assert without_tpudiag_lines(captured.stderr) == without_tpudiag_lines(plain.stderr)
     assert "internal error" not in captured.stderr, captured.stderr[-3000:]
 
     report = json.loads(run_tpudiag("report", "--db", str(db), "--json", cwd=REPO).stdout)
@@ -101,14 +82,19 @@ def test_tpudiag_failing_inside_the_script_is_recorded_and_survived(tmp_path: Pa
     work.mkdir()
     script = str(SCRIPTS / "sabotaged.py")
     plain = subprocess.run(
-        [sys.executable, script], cwd=work, env=_env(tmp_path, "plain"), capture_output=True, text=True, timeout=300
+        [sys.executable, script],
+        cwd=work,
+        env=script_env(tmp_path, "plain"),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert plain.returncode == 0, plain.stderr[-3000:]
     db = tmp_path / "store.duckdb"
     captured = subprocess.run(
         [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), script],
         cwd=work,
-        env=_env(tmp_path, "captured"),
+        env=script_env(tmp_path, "captured"),
         capture_output=True,
         text=True,
         timeout=300,

@@ -12,7 +12,6 @@ digest of the results, Dynamo's counters) and stderr without tpudiag's lines mus
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, run_tpudiag
+from tests.conftest import REPO, run_tpudiag, script_env, without_tpudiag_lines
 
 SCRIPTS = Path(__file__).parent / "hf_matrix"
 CASES = [
@@ -43,25 +42,6 @@ MUST_CHECK = {
 }
 
 
-def _env(tmp: Path, name: str, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("TPUDIAG_DB", None)
-    env.update(
-        {
-            "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor-{name}"),
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONHASHSEED": "0",
-            "TPUDIAG_LOCK_TIMEOUT": "60",
-            **extra,
-        }
-    )
-    return env
-
-
-def _without_tpudiag_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if not line.startswith(("tpudiag:", "tpudiag numerics:"))]
-
-
 def _capture(tmp: Path, case: str, **env: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     work = tmp / "work"
     work.mkdir(exist_ok=True)
@@ -69,7 +49,7 @@ def _capture(tmp: Path, case: str, **env: str) -> tuple[subprocess.CompletedProc
     proc = subprocess.run(
         [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), "--wait", str(SCRIPTS / f"{case}.py")],
         cwd=work,
-        env=_env(tmp, "captured", **env),
+        env=script_env(tmp, "captured", **env),
         capture_output=True,
         text=True,
         timeout=900,
@@ -100,7 +80,7 @@ def replay_divergent(db: Path, tmp: Path, **env: str) -> list[tuple[int, str, bo
         prelude = f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); import _common; import runpy; "
         proc = subprocess.run(
             [sys.executable, "-c", prelude + f"runpy.run_path({str(bundle / 'repro.py')!r}, run_name='__main__')"],
-            env=_env(tmp, "repro", **env),
+            env=script_env(tmp, "repro", **env),
             capture_output=True,
             text=True,
             timeout=300,
@@ -123,7 +103,7 @@ def test_hf_path_is_clean_checked_and_unchanged(case: str, tmp_path: Path) -> No
     plain = subprocess.run(
         [sys.executable, str(SCRIPTS / f"{case}.py")],
         cwd=work,
-        env=_env(tmp_path, "plain"),
+        env=script_env(tmp_path, "plain"),
         capture_output=True,
         text=True,
         timeout=600,
@@ -133,7 +113,7 @@ def test_hf_path_is_clean_checked_and_unchanged(case: str, tmp_path: Path) -> No
     assert captured.returncode == plain.returncode, captured.stderr[-3000:]
     assert captured.stdout == plain.stdout
     assert "digest " in plain.stdout
-    assert _without_tpudiag_lines(captured.stderr) == _without_tpudiag_lines(plain.stderr)
+    assert without_tpudiag_lines(captured.stderr) == without_tpudiag_lines(plain.stderr)
     assert "internal error" not in captured.stderr, captured.stderr[-3000:]
 
     report: dict[str, Any] = json.loads(run_tpudiag("report", "--db", str(db), "--json", cwd=REPO).stdout)
