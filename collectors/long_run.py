@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tpudiag import internal_errors, runner
-from tpudiag.longrun import analyst, control, manual
+from tpudiag.longrun import analyst, control, heap, manual
 from tpudiag.plugins import CaptureContext
 
 NO_EVENTS = "the trace collector recorded no events"
@@ -181,6 +181,7 @@ class LongRunMixin:
         self._window_jobs[window.window_id] = {k: v for k, v in job.items() if k not in ("sources", "roots")}
         if kick:
             self._release_session()
+            heap.release()
             self._worker.kick()
         return job
 

@@ -17,8 +17,8 @@
 Nothing here runs per op or per module call: the cost is one sample per step.
 
 - **Into the pulse** (long runs, ``tpudiag.longrun.probes``): the latest sample's figures join every pulse record
-  (``memory.allocated_bytes`` ...; unknown stays null), and growth of the live bytes past ``GROWTH_FACTOR`` times the
-  post-warm-up floor (and by at least ``GROWTH_MIN_BYTES``) asks for a ``memory`` trace window.  The probe reads the
+  (``memory.allocated_bytes`` ...; unknown stays null), and growth of the live bytes past their post-warm-up floor,
+  held over a run of steps (``tpudiag.longrun.growth``), asks for a ``memory`` trace window.  The probe reads the
   sample this collector already took: it costs no second reading.
 """
 
@@ -33,11 +33,10 @@ from types import TracebackType
 from typing import Any
 
 from tpudiag import internal_errors, runner
+from tpudiag.longrun.growth import GrowthWatch
 from tpudiag.plugins import CaptureContext
 
 PROBE_FIGURES = ("allocated_bytes", "reserved_bytes", "peak_bytes", "rss_bytes", "device_used_bytes")
-GROWTH_FACTOR = 1.25
-GROWTH_MIN_BYTES = 64 << 20
 
 OOM_FILE = "oom.json"  # run_dir/memory/oom.json: the OOM record, for the trace window analysis to complete
 
@@ -112,7 +111,7 @@ class MemoryCollector:
         self._is_compiling: Any = None
         self._main_thread = threading.main_thread()
         self._probe: Any = None
-        self._floor: int | None = None  # the lowest live bytes seen after warm-up (growth is judged against it)
+        self._growth = GrowthWatch()  # growth of the live bytes past their post-warm-up floor
 
     # -- plugin protocol --------------------------------------------------------------------------------------
     def is_available(self) -> bool:
@@ -246,15 +245,15 @@ class MemoryCollector:
             fig = self._last_flushed or {}
         live = next((fig[k] for k in ("allocated_bytes", "device_used_bytes", "rss_bytes") if fig.get(k)), None)
         if live is not None and self._steps >= triggers.WARMUP_STEPS:  # as every trigger: after warm-up
-            if self._floor is None or live < self._floor:
-                self._floor = live
-            elif live > self._floor * GROWTH_FACTOR and live - self._floor >= GROWTH_MIN_BYTES:
+            low = self._growth.see(live)
+            floor = self._growth.floor
+            if low is not None and floor:
                 from tpudiag.longrun import control
 
-                detail = f"live memory {live / 2**20:.0f} MiB at step {self._steps}, {live / self._floor:.2f}x its "
-                detail += f"floor of {self._floor / 2**20:.0f} MiB after warm-up"
+                detail = f"live memory at least {low / 2**20:.0f} MiB over steps {self._steps - self._growth.span + 1}"
+                detail += f"-{self._steps}, {low / floor:.2f}x its floor of {floor / 2**20:.0f} MiB after warm-up"
                 if control.request("memory", numerics=False, detail=detail):
-                    self._floor = live  # the next window needs as much growth again
+                    self._growth.granted(low)
         return {k: fig.get(k) for k in PROBE_FIGURES}
 
     def sample_step(self, step: int) -> dict[str, Any]:

@@ -81,6 +81,9 @@ class ModuleTracker:
         self._on_enter = on_enter
         self._on_exit = on_exit
         self._handles: list[Any] = []
+        # Only root calls wanted (``module_calls``): the trace collector between trace windows.  Module paths and
+        # sources are then learnt for roots only; the next window's calls learn the rest.
+        self.roots_only = False
         self.sources: dict[str, str] = {}
         self._class_sources: dict[type[Any], str | None] = {}
 

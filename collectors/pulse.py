@@ -81,6 +81,7 @@ class PulseRecorder:
         self._shape_json: dict[tuple[Any, ...], str | None] = {}
         self._own = 0
         self._compiles = control.compile_counts()
+        self._checker_s = control.checker_seconds()  # the numerics checker's own seconds at the last step's end
         self._pending: tuple[Any, ...] | None = None  # the last step's record, waiting for its non-finite figure
         self._check: Any = None  # (tensor, event or None) of the last step's gradient check
         self._small: dict[int, Any] = {}  # optimizer id -> the parameter whose gradient is summed every step
@@ -142,9 +143,14 @@ class PulseRecorder:
         if compiles[2] > g0:
             fired.append(("graph_break", f"graph break at step {step}: {control.compile_detail() or ''}".rstrip(": ")))
         median = self.slow.median_s
+        # The numerics checker's time since the last step's end (its checks in this step, its boundary work in the
+        # gap) is tpudiag's own time: counted as such, and never judged as the script's slowness.
+        checker = control.checker_seconds()
+        checker_ns = max(int((checker - self._checker_s) * 1e9), 0)
+        self._checker_s = checker
         # A step's period (the gap before it, where data loading waits, and the step itself) is what slows a job.
         # Steps inside a window (and the one that closes it) pay for the profiler and the checker: not a signal.
-        period = dur + (gap or 0)
+        period = max(dur + (gap or 0) - checker_ns, 0)
         # A step that compiled is slow for that reason: its recompile or graph break window says so.
         if self.window_id is None and self.slow.check(period / 1e9) and median and not fired:
             fired.append(
@@ -172,7 +178,7 @@ class PulseRecorder:
         self.step = step + 1
         self._prev_end = end
         self._start = None
-        own = self._own + (time.perf_counter_ns() - end)
+        own = self._own + checker_ns + (time.perf_counter_ns() - end)
         self._own = 0
         self._pending = (*self._pending[:4], own, *self._pending[5:])
         return dur / 1e9, fired

@@ -251,6 +251,15 @@ class TraceCollector(LongRunMixin):
         except Exception as err:
             self._ctx.note(f"trace stopped early: the profiler failed to restart ({err})")
 
+    def _track_roots_only(self, on: bool) -> None:
+        """Between sessions the tracker needs only root calls (a step's start): nested calls skip it."""
+        tracker = self._tracker
+        if tracker is not None and tracker.roots_only != on:
+            from tpudiag.collectors import module_calls
+
+            tracker.roots_only = on
+            module_calls.refresh()
+
     def _start_session(self) -> None:
         import torch
 
@@ -271,6 +280,7 @@ class TraceCollector(LongRunMixin):
         finally:
             self._starting = False
         self._prof = prof
+        self._track_roots_only(False)
         self._own_inner = getattr(prof, "profiler", None)
         self._session_started = self._ctx.clock.monotonic()
         self.profiler = prof
@@ -283,6 +293,7 @@ class TraceCollector(LongRunMixin):
         prof, self._prof = self._prof, None
         if prof is None:
             return
+        self._track_roots_only(True)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize()  # pending device work lands in the trace

@@ -93,6 +93,9 @@ class WindowPlan:
                 continue
             steps = req.steps or self.trigger_steps
             return Window(self.count, req.reason, step, step + steps, None, req.numerics, req.detail)
+        closing = self.open.reason if self.open is not None else None
+        if closing in ("first_steps", "schedule"):
+            return None  # the schedule's clock restarts when this window has closed (``closed``), not before
         if self.schedule.due(step, self.last_end_step, now_s, self.last_end_s, self.cycles):
             if not self.cap.allows("schedule", busy()):
                 self.refused["schedule"] = self.refused.get("schedule", 0) + 1

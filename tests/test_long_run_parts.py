@@ -4,6 +4,7 @@ dashboard's readers on hand-built pulse and window records."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,28 @@ def test_window_plan_first_steps_then_triggers_after_warm_up() -> None:
         control.deactivate()
 
 
+def test_a_scheduled_window_opens_once_per_interval_not_again_as_it_closes() -> None:
+    from tpudiag.collectors.windows import WindowPlan
+
+    control.activate()
+    try:
+        plan = WindowPlan(schedule.parse("every=15s,active=3"), analyst.DiskCap(), triggers.RateLimit(), now_s=0.0)
+        opened: list[tuple[str, int]] = []
+        now = 0.0
+        for step in range(0, 3000):
+            now = step * 0.01  # 100 steps a second: 30 s
+            plan.plan(step, now, [], set)
+            if plan.close_next:
+                plan.closed(step, now)
+            window = plan.opened()
+            if window is not None:
+                opened.append((window.reason, window.first_step))
+        # The first window (20 steps), then one scheduled window 15 s after it ended: not a second one right after.
+        assert opened == [("schedule", 1520)], opened
+    finally:
+        control.deactivate()
+
+
 def test_requests_are_dropped_when_no_capture_runs_and_bad_reasons_refused() -> None:
     control.deactivate()
     assert control.request("manual") is False
@@ -139,6 +162,37 @@ def test_sampler_rechecks_each_signature_once_in_a_periodic_step_and_boost_check
     assert not s.wants(sig)
     s.begin_step(boost=True, recheck=False)
     assert all(s.wants(sig) for _ in range(5))
+
+
+def test_a_settled_steps_checks_stop_in_time_and_what_is_left_comes_first_next_time() -> None:
+    from tpudiag.collectors.numerics.sampling import CHECK_STEP_S, Sampler, SamplingOptions
+
+    s = Sampler(SamplingOptions(first_k=1))
+    sigs = [("aten::op", i) for i in range(10)]
+    for sig in sigs:
+        assert s.wants(sig) and s.in_time(sig, lambda: 1.0)  # not settled: no step cap at all
+    cost = CHECK_STEP_S / 4  # four checks fit in a step
+
+    def periodic_step() -> list[int]:
+        s.begin_step(boost=False, recheck=True, capped=True, now=time.perf_counter())
+        done = []
+        for i, sig in enumerate(sigs):
+            if s.wants(sig) and s.in_time(sig, lambda: cost):
+                time.sleep(cost * 0.9)  # the check
+                done.append(i)
+        return done
+
+    first, second, third = periodic_step(), periodic_step(), periodic_step()
+    assert 2 <= len(first) <= 4 and first == list(range(len(first))), first
+    assert second[0] == len(first), (first, second)  # the round goes on where the last step stopped
+    assert sorted(set(first + second + third)) == list(range(min(10, len(first + second + third))))
+    # A check no step could afford never holds the round open; a new signature's first check over the time left is
+    # refused (a later call takes its place).
+    s.begin_step(boost=False, recheck=False, capped=True, now=time.perf_counter())
+    new = ("aten::new", 0)
+    assert s.wants(new) and not s.in_time(new, lambda: 10.0) and s.wants(new)
+    s.begin_step(boost=True, recheck=False, capped=True)
+    assert s.wants(new) and s.in_time(new, lambda: 10.0)  # trace windows check everything
 
 
 def test_background_allowance_grows_with_time() -> None:
@@ -274,3 +328,25 @@ def test_pulse_sees_a_non_finite_gradient_a_step_later_and_records_every_step(tm
     assert [r[0] for r in rows] == list(range(6))  # every step, the last one written at stop
     assert rows[3][1] is True and rows[2][1] is False
     assert rows[0][2] == "[[3, 4]]"
+
+
+def test_memory_growth_is_judged_on_a_spans_low_so_transient_peaks_never_ask_for_a_window() -> None:
+    from tpudiag.longrun.growth import GrowthWatch
+
+    mib = 1 << 20
+    watch = GrowthWatch(span=16)
+    asked = []
+    for step in range(400):
+        live = 400 * mib
+        if step % 50 < 5:
+            live += 250 * mib  # a trace window's few steps: a transient peak, every 50 steps
+        if step >= 300:
+            live += (step - 300) * 4 * mib  # a leak: 4 MiB more held every step
+        low = watch.see(live)
+        if low is not None:
+            asked.append(step)
+            watch.granted(low)
+    # Nothing before the leak; the leak asks once it held 100 MiB (1.25 x 400) for a whole span, then again only
+    # after as much growth again.
+    assert asked and all(s >= 300 for s in asked), asked
+    assert asked[0] < 360 and len(asked) <= 2, asked

@@ -42,7 +42,8 @@ def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock 
         script_path = Path(target.name) if target.kind == "script" else Path.cwd()
         name = options.name or (Path(target.name).stem if target.kind == "script" else target.name)
         run, run_dir = prepare_run(store, clock, RunStart(name, target.display, target.args, script_path), collectors)
-        sink = StoreNow(store) if options.wait else StoreLater(store)
+        feed_s = options.flush_interval_s
+        sink = StoreNow(store, feed_s=feed_s) if options.wait else StoreLater(store, feed_s=feed_s)
         session = CaptureSession(
             run, run_dir, Spool(run_dir / "spool"), collectors, sink,
             options=options.collector_options, clock=clock, flush_s=options.flush_interval_s,

@@ -1,9 +1,9 @@
 """Where a finished run goes, for captures that own a store: now, or later in a detached child.
 
 - ``StoreNow``: registers the run at its first flush (``register_at="flush"``: a short script never loads DuckDB
-  before its code; the store write after it registers it) or at once (``"begin"``), loads spooled parts at every
-  flush, and stores the finished run in one transaction before returning (``tpudiag capture --wait``, the Python
-  API and notebooks);
+  before its code; the store write after it registers it) or at once (``"begin"``), has the spooled parts loaded
+  while the code runs (by a child process, ``store/feeder.py``, else at every flush), and stores the finished run
+  in one transaction before returning (``tpudiag capture --wait``, the Python API and notebooks);
 - ``StoreLater``: the same while the code runs; the finished run goes to ``run.json`` with the collectors'
   deferred jobs and a detached child stores it (``tpudiag/deferred_store.py``), so the capture exits at once.  It
   stores now instead when the store refused the registration or a driver asked it to (``keep_in_process``: the
@@ -23,15 +23,20 @@ from tpudiag.errors import TpudiagError
 from tpudiag.model import Run
 from tpudiag.session import Delivered, Finished
 from tpudiag.store import Store
+from tpudiag.store.feeder import SpoolFeeder
 
 
 class StoreNow:
-    def __init__(self, store: Store, register_at: str = "flush") -> None:
+    def __init__(self, store: Store, register_at: str = "flush", feed_s: float | None = 10.0) -> None:
         self.store = store
         self._register_at = register_at
         self._run: Run | None = None
         self._registered = False
         self.registration_error: TpudiagError | None = None
+        # While the code runs, the spool is loaded by a child process every ``feed_s`` seconds
+        # (``store/feeder.py``: DuckDB stays out of the code's process); None: in this process, at each flush.
+        self._feed_s = feed_s
+        self._feeder: SpoolFeeder | None = None
 
     @property
     def defers(self) -> bool:
@@ -51,6 +56,12 @@ class StoreNow:
     def flush(self) -> None:
         if self._run is None or self.registration_error is not None:
             return
+        if self._feed_s is not None and self._run.artifacts_dir is not None:
+            if self._feeder is None:
+                run_dir = Path(self._run.artifacts_dir)
+                self._feeder = SpoolFeeder(self.store.path.resolve(), self._run, run_dir, self.spool_dir, self._feed_s)
+            if self._feeder.start():
+                return
         if not self._registered:
             try:
                 self.store.put_run(self._run, replace=False)  # late (a slow lock): never over the final record
@@ -61,7 +72,13 @@ class StoreNow:
         with contextlib.suppress(TpudiagError):
             self.store.ingest_spool(self._run.id, self.spool_dir)
 
+    def stop_feeding(self) -> None:
+        """The feeder leaves before the final store write (one writer at a time)."""
+        if self._feeder is not None:
+            self._feeder.stop()
+
     def deliver(self, finished: Finished) -> Delivered:
+        self.stop_feeding()
         run = finished.run
         if finished.jobs:  # a sink that stores now never lets collectors defer; jobs handed anyway run here
             deferred_store.write_run_file(Path(run.artifacts_dir or self.store.run_dir(run.id)), run, finished.jobs)
@@ -73,8 +90,8 @@ class StoreNow:
 
 
 class StoreLater(StoreNow):
-    def __init__(self, store: Store) -> None:
-        super().__init__(store, register_at="flush")
+    def __init__(self, store: Store, feed_s: float | None = 10.0) -> None:
+        super().__init__(store, register_at="flush", feed_s=feed_s)
         self._stay = False
 
     def keep_in_process(self) -> None:
@@ -88,6 +105,7 @@ class StoreLater(StoreNow):
     def deliver(self, finished: Finished) -> Delivered:
         if not self.defers:
             return super().deliver(finished)
+        self.stop_feeding()
         run = finished.run
         run_dir = Path(run.artifacts_dir or self.store.run_dir(run.id))
         if deferred_store.hand_off(self.store, run, finished.jobs, run_dir):

@@ -129,6 +129,7 @@ class NumericsCollector(StepBoundaries, RunSummary):
             self._step_hook = register_optimizer_step_post_hook(module_calls.skip_in_dynamo(self._on_optimizer_step))
             self._steps.t0 = time.perf_counter()
             self._steps.spent0 = self._mode.budget.spent()
+            control.set_checker_clock(self._mode.budget.spent)
             self._attach()
             self._progress = threading.Thread(target=self._progress_loop, name="tpudiag-numerics", daemon=True)
             self._progress.start()
@@ -142,6 +143,7 @@ class NumericsCollector(StepBoundaries, RunSummary):
         if self._ctx is None:
             return
         mode: Any = self._mode
+        control.set_checker_clock(None)
         if mode is not None:
             mode.active = False  # whatever happens below, nothing more is checked
         if self._entered:
@@ -162,6 +164,7 @@ class NumericsCollector(StepBoundaries, RunSummary):
                 part.remove()
         module_calls.remove(self._boundaries)
         self._unregister_compile_callback()
+        self._replay_pending()
         for (op, phase), n in mode.spent_calls.items():
             self._recorder.aggregate(mode.seq, op, phase, None, "budget", 0.0, None, n)
         mode.spent_calls = {}

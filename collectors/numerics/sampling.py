@@ -21,6 +21,8 @@ budget refused are recorded as skipped with reason ``budget``.
 from __future__ import annotations
 
 import fnmatch
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,9 @@ from tpudiag.numerics_options import DEFAULT_FIRST_K, budget_percent, numerics_m
 
 WARMUP_STEPS = 3
 EVERY_STEPS = 50
+# Once a run has settled, the checks of one step stop after this many seconds (issue 21: no step of a long run
+# stalled by tpudiag for more than 50 ms outside trace windows); what is left waits for a later step.
+CHECK_STEP_S = 0.03
 
 
 @dataclass(frozen=True)
@@ -193,24 +198,60 @@ class Sampler:
     boost: bool = False
     recheck: bool = False
     rechecked: set[tuple[Any, ...]] = field(default_factory=set)
+    # Once the run has settled, a step's checks stop at this clock reading (``CHECK_STEP_S`` after the step
+    # began; trace windows excepted): a check that would end later is left for a later call of its signature, and
+    # a periodic step's re-checks it had no time for are made first in the next periodic step (a round ends once
+    # every signature was re-checked).
+    check_until: float | None = None
+    round_done: bool = True
+    _admitted: str = ""  # why the last call ``wants`` admitted was sampled: "first", "recheck" or "all"
 
     def wants(self, signature: tuple[Any, ...]) -> bool:
         """Whether this call is sampled (counts it either way)."""
         n = self.counts.get(signature, 0)
         self.counts[signature] = n + 1
         if self.options.mode == "all" or self.boost:
+            self._admitted = "all"
             return True
         if n - self.refusals.get(signature, 0) < self.options.first_k:
+            self._admitted = "first"
             return True
         if self.recheck and signature not in self.rechecked:
             self.rechecked.add(signature)
+            self._admitted = "recheck"
             return True
         return False
 
-    def begin_step(self, boost: bool, recheck: bool) -> None:
+    def in_time(self, signature: tuple[Any, ...], cost_s: Callable[[], float]) -> bool:
+        """Whether the call ``wants`` just admitted can be checked before the step's check time runs out."""
+        until = self.check_until
+        if until is None or self._admitted == "all":
+            return True
+        cost = cost_s()
+        if time.perf_counter() + cost <= until:
+            return True
+        if self._admitted == "recheck":
+            self.rechecked.discard(signature)
+            # Left for the next periodic step, unless no step could afford it (then only trace windows, which
+            # check every call, look at it again): it never holds the round open.
+            if cost <= CHECK_STEP_S:
+                self.round_done = False
+        else:
+            self.refused(signature)
+        return False
+
+    def begin_step(self, boost: bool, recheck: bool, capped: bool = False, now: float | None = None) -> None:
+        """The step about to start: ``boost`` checks every call, ``recheck`` re-checks signatures (this round's
+        remaining ones); ``capped``: its checks stop ``CHECK_STEP_S`` after ``now``."""
         self.boost, self.recheck = boost, recheck
-        if self.rechecked:
-            self.rechecked = set()
+        if recheck:
+            if self.round_done:
+                self.rechecked = set()
+            self.round_done = True
+        if capped and not boost and self.options.mode != "all":
+            self.check_until = (time.perf_counter() if now is None else now) + CHECK_STEP_S
+        else:
+            self.check_until = None
 
     def refused(self, signature: tuple[Any, ...]) -> None:
         """The sampled call was not checked (over budget): a later call of the signature may take its place."""
@@ -226,9 +267,12 @@ class StepSchedule:
     every: int = EVERY_STEPS
     steady: bool = False
 
+    settled: bool = False  # steady once: the run's first steps are over (checks are held to CHECK_STEP_S a step)
+
     def step_done(self, new_signatures: int) -> None:
         """After a fully watched step: steady once it met no op signature it had not met before."""
         self.steady = new_signatures == 0
+        self.settled = self.settled or self.steady
 
     def wants(self, step: int) -> bool:
         """Whether step ``step`` (0-based, about to start) should be watched."""

@@ -11,11 +11,16 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from tpudiag.longrun import control
+from tpudiag.collectors import module_calls
+from tpudiag.longrun import control, heap
 
 if TYPE_CHECKING:
     from tpudiag.collectors.numerics.backward_modules import BackwardModules
     from tpudiag.collectors.numerics.collector import NumericsCollector
+
+# The heap is trimmed after a checked stretch at most this often (a trim is ~50 us when nothing is free, a few ms
+# after a large stretch).
+HEAP_RELEASE_S = 2.0
 
 
 class StepBoundaries:
@@ -35,7 +40,9 @@ class StepBoundaries:
     def _attach(self) -> None:
         """Module hooks on, mode pushed (only at a step boundary: no forward is running)."""
         assert self._tracker is not None and self._backward is not None
-        self._module_hook_on = True
+        if not self._module_hook_on:
+            self._module_hook_on = True
+            module_calls.refresh()
         if not self._hooks_on:
             self._tracker.install()
             self._backward.install()
@@ -52,8 +59,14 @@ class StepBoundaries:
         return not self._entered
 
     def _detach(self) -> None:
-        """Mode popped and module hooks off: the script runs as without tpudiag until the next attach."""
-        if self._leave_mode() and self._hooks_on:
+        """Mode popped and module hooks off: the script runs as without tpudiag until the next attach.  The float64
+        copies go too: by the next watched step the script has written most of those tensors (an optimizer step
+        later every parameter has changed), and kept between checked stretches they held up to their cap (1 GiB)
+        for the whole run."""
+        if self._leave_mode() and len(self._mode.copies):
+            self._mode.copies.clear()
+            heap.release(min_interval_s=HEAP_RELEASE_S)
+        if not self._entered and self._hooks_on:
             assert self._tracker is not None and self._backward is not None
             self._tracker.remove()
             self._backward.remove()
@@ -61,6 +74,7 @@ class StepBoundaries:
             if self._opt_steps:
                 # Optimizer steps are the boundaries: unwatched steps need nothing from module calls.
                 self._module_hook_on = False
+                module_calls.refresh()
 
     def _on_module(self, module: Any, args: Any) -> None:
         """Root forwards are step boundaries for scripts without an optimizer; budget detach mid-step."""
@@ -128,6 +142,7 @@ class StepBoundaries:
             signatures = len(mode.sampler.counts)
             if not st.partial:
                 st.schedule.step_done(signatures - st.signatures0)
+                self._replay_pending()
                 st.profile = mode.step_calls
             elif st.profile is None:
                 st.profile = mode.step_calls
@@ -181,7 +196,7 @@ class StepBoundaries:
             affordable = st.boost_budget.affords(st.watch_cost_s, now - mode.started)
         st.background_step = periodic
         st.boost_step = boost and not periodic
-        mode.sampler.begin_step(boost, periodic)
+        mode.sampler.begin_step(boost, periodic, capped=st.schedule.settled)
         st.watching = want and affordable
         st.reason = "steady_state" if not want else "budget"
         st.partial = False
@@ -196,16 +211,38 @@ class StepBoundaries:
         st.check0 = budget.check_s
 
     def _replay(self, reason: str, seen: dict[tuple[str, str], list[Any]] | None = None) -> None:
-        """Record the calls of an unwatched step (or the unwatched rest of a step) as skipped for ``reason``."""
-        profile = self._steps.profile
+        """Record the calls of an unwatched step (or the unwatched rest of a step) as skipped for ``reason``.
+
+        A whole unwatched step is only counted here (a few hundred ns on the step's path); its calls are recorded
+        in bulk, once per run of such steps, by ``_replay_pending`` (before the profile they repeat changes, and at
+        the end)."""
+        st = self._steps
+        profile = st.profile
         if not profile or self._recorder is None:
+            return
+        if seen is None:
+            if not st.pending_replays:
+                st.pending_seq = self._mode.seq
+            st.pending_replays[reason] = st.pending_replays.get(reason, 0) + 1
             return
         seq = self._mode.seq
         for (op, phase), (calls, flops) in profile.items():
-            done = seen.get((op, phase), [0, 0.0])[0] if seen else 0
+            done = seen.get((op, phase), [0, 0.0])[0]
             rest = calls - done
             if rest > 0:
                 self._recorder.aggregate(seq, op, phase, None, reason, flops * rest / calls, None, calls=rest)
+
+    def _replay_pending(self) -> None:
+        """Record the counted unwatched steps' calls (``_replay``) from the profile they repeated."""
+        st = self._steps
+        pending, st.pending_replays = st.pending_replays, {}
+        if not pending or not st.profile or self._recorder is None:
+            return
+        for reason, steps in pending.items():
+            for (op, phase), (calls, flops) in st.profile.items():
+                if calls > 0:
+                    seq = st.pending_seq
+                    self._recorder.aggregate(seq, op, phase, None, reason, flops * steps, None, calls * steps)
 
 
 class ModuleBoundaries:
@@ -214,6 +251,11 @@ class ModuleBoundaries:
 
     def __init__(self, collector: NumericsCollector) -> None:
         self._collector = collector
+
+    @property
+    def roots_only(self) -> bool:
+        """Root calls are enough (the input probe) unless ``_on_module`` watches module boundaries."""
+        return not self._collector._module_hook_on
 
     def enter(self, module: Any, args: Any, kwargs: Any) -> None:
         c = self._collector
@@ -254,6 +296,8 @@ class StepState:
         self.background_step = False  # the current step is one
         self.boost_budget = Background(pct=BOOST_PCT, since_s=0.0)  # trigger windows' steps without --budget
         self.boost_step = False
+        self.pending_replays: dict[str, int] = {}  # reason -> whole unwatched steps not yet recorded (``_replay``)
+        self.pending_seq = 0
 
 
 def input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:

@@ -8,8 +8,8 @@
 --api-trigger-at-step: at step N, ``tpudiag.trigger(steps=3)`` (a manual window from inside the script).
 --fault-at-step: from step N on, aten::tanh is wrong by 3e-3 in float32 (the float64 oracle stays exact); the
 kernel is registered at the start (exact until step N).
-Prints one JSON line at the end: steps done, peak and current RSS (KB) at a third of the run and at the end, the
-slowest step, and the steps where the planted anomalies began.
+Prints one JSON line at the end: steps done, peak and current RSS (KB) at a third of the run and at the end, current
+RSS once a second, the slowest step, and the steps where the planted anomalies began.
 """
 
 import argparse
@@ -87,12 +87,25 @@ current_third = None
 step = 0
 longest = 0.0
 rss_third = None
+rss_samples = []  # [seconds, current RSS KB] once a second
+half_step = None  # the step running at half time (steps done in the second half: throughput after warm-up)
+periods = []  # second half: each loop iteration's wall time (step and everything between steps)
+last_now = None
+next_sample = 0.0
 recompiled = False
 slow_from = recompile_step = api_triggered = None
 while True:
     now = time.perf_counter() - t0
     if now >= args.seconds:
         break
+    if half_step is None and now >= args.seconds / 2:
+        half_step = step
+    if half_step is not None:
+        periods.append(now - last_now)
+    last_now = now
+    if now >= next_sample:
+        rss_samples.append([round(now, 2), current_rss_kb()])
+        next_sample += 1.0
     if rss_third is None and now >= args.seconds / 3:
         rss_third = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         current_third = current_rss_kb()
@@ -132,5 +145,8 @@ if prof is not None:
 end = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 result = {"steps": step, "rss_third_kb": rss_third, "rss_end_kb": end, "longest_step_s": longest}
 result.update(current_third_kb=current_third, current_end_kb=current_rss_kb())
+result.update(rss_samples=rss_samples, second_half_steps=step - (half_step or 0))
+periods.sort()
+result.update(median_period_ms=round(periods[len(periods) // 2] * 1e3, 4) if periods else None)
 result.update(slow_from=slow_from, recompile_step=recompile_step, api_triggered=api_triggered)
 print(json.dumps(result))

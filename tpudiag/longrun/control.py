@@ -8,6 +8,7 @@ capture with windows runs in this process (``active`` false) requests are droppe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 REASONS = (
@@ -111,3 +112,24 @@ def compile_counts() -> tuple[int, int, int]:
 
 def compile_detail() -> str | None:
     return _state.compile_detail
+
+
+# The numerics checker's cumulative own seconds (its dispatch mode's time on the script's calls, checks included),
+# read by the pulse at each step's end: a step's checker time is tpudiag's own time, never the script's slowness.
+_checker_clock: Callable[[], float] | None = None
+
+
+def set_checker_clock(clock: Callable[[], float] | None) -> None:
+    global _checker_clock
+    _checker_clock = clock
+
+
+def checker_seconds() -> float:
+    """Seconds the numerics checker has spent so far in this process (0 without one)."""
+    clock = _checker_clock
+    if clock is None:
+        return 0.0
+    try:
+        return float(clock())
+    except Exception:
+        return 0.0

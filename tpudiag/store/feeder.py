@@ -1,0 +1,127 @@
+"""A running capture's spool, loaded into the store from a child process (``python -m tpudiag.store.feeder``).
+
+While the script runs, its collectors write Parquet parts to the run's spool folder; the store shows a running job
+(the dashboard, ``report``) once those parts are loaded.  Loading them in the script's own process, as the capture
+did, put DuckDB and its buffers into that process: +160 MB of RSS from the first flush on (issue 21's bench loop:
+337 -> 465 MB with nothing but the compile collector), and the load's CPU on a thread beside the training loop every
+10 s.  The feeder does it instead, ``nice`` 10, in its own session, without torch:
+
+- the parent writes the run's first record to ``<run dir>/feeder.json`` and starts the child at the first flush;
+- every ``interval`` seconds the child registers the run (never over a record already there) and loads the parts
+  that are finished (``Store.ingest_spool``: each part at most once, deleted after the commit);
+- it leaves when ``<run dir>/feeder.stop`` appears or the parent is gone; the parent waits for it before its own
+  final store write (one writer at a time), and loads whatever is left itself, as before.
+
+Where no child can start, the caller loads the spool in its own process (``SpoolFeeder.start`` returns False).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tpudiag.model import Run
+
+RUN_FILE = "feeder.json"
+STOP_FILE = "feeder.stop"
+LOG_FILE = "feeder.log"
+NICE = 10
+
+
+class SpoolFeeder:
+    def __init__(self, db: Path, run: Run, run_dir: Path, spool_dir: Path, interval_s: float) -> None:
+        self.db, self.run, self.run_dir, self.spool_dir, self.interval_s = db, run, run_dir, spool_dir, interval_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.failed: str | None = None
+
+    def start(self) -> bool:
+        """Start the child once; False when it could not start (the caller loads the spool itself)."""
+        if self.proc is not None:
+            return self.proc.poll() is None
+        if self.failed is not None:
+            return False
+        try:
+            (self.run_dir / STOP_FILE).unlink(missing_ok=True)
+            (self.run_dir / RUN_FILE).write_text(json.dumps(dataclasses.asdict(self.run)))
+            with open(self.run_dir / LOG_FILE, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [
+                        sys.executable, "-m", "tpudiag.store.feeder", str(self.db), str(self.run_dir),
+                        str(self.spool_dir), str(os.getpid()), str(self.interval_s),
+                    ],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                )  # fmt: skip
+        except OSError as err:
+            self.failed = str(err)
+            return False
+        return True
+
+    def stop(self, wait_s: float = 60.0) -> None:
+        """Ask the child to leave and wait for it (it finishes the load it is in)."""
+        proc = self.proc
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            (self.run_dir / STOP_FILE).touch()
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for name in (STOP_FILE, RUN_FILE):
+            with contextlib.suppress(OSError):
+                (self.run_dir / name).unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return os.getppid() == pid
+
+
+def _load_once(store: object, run: Run, spool_dir: Path, registered: bool) -> bool:
+    from tpudiag.errors import TpudiagError
+    from tpudiag.store import Store
+
+    assert isinstance(store, Store)
+    try:
+        if not registered:
+            store.put_run(run, replace=False)
+            registered = True
+        store.ingest_spool(run.id, spool_dir)
+    except TpudiagError as err:  # a busy or refused store: the next round (or the final write) tries again
+        print(f"tpudiag feeder: {err}", file=sys.stderr, flush=True)
+    return registered
+
+
+def main(argv: list[str]) -> int:
+    db, run_dir, spool_dir, parent, interval = Path(argv[0]), Path(argv[1]), Path(argv[2]), int(argv[3]), float(argv[4])
+    with contextlib.suppress(OSError):
+        os.nice(NICE)
+    from tpudiag.store import Store
+
+    names = {f.name for f in dataclasses.fields(Run)}
+    run = Run(**{k: v for k, v in json.loads((run_dir / RUN_FILE).read_text()).items() if k in names})
+    store = Store(db)
+    registered = False
+    next_load = time.monotonic()
+    while not (run_dir / STOP_FILE).exists() and _alive(parent):
+        if time.monotonic() >= next_load:
+            registered = _load_once(store, run, spool_dir, registered)
+            next_load = time.monotonic() + interval
+        time.sleep(0.2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
