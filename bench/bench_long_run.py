@@ -82,6 +82,17 @@ def _run(mode: str, work: Path, seconds: float, n: int) -> dict[str, Any]:
     return out
 
 
+def _slope(samples: list[list[float]]) -> float | None:
+    half = samples[len(samples) // 2 :]
+    if len(half) < 3:
+        return None
+    ts = [t for t, _ in half]
+    mb = [kb / 1024 for _, kb in half]
+    mt, mm = sum(ts) / len(ts), sum(mb) / len(mb)
+    var = sum((t - mt) ** 2 for t in ts)
+    return round(60 * sum((t - mt) * (m - mm) for t, m in zip(ts, mb, strict=True)) / var, 2) if var else None
+
+
 def main() -> dict[str, object]:
     seconds = float(os.environ.get("BENCH_LONG_S", "600"))
     rounds = int(os.environ.get("BENCH_ROUNDS", "1"))
@@ -108,6 +119,15 @@ def main() -> dict[str, object]:
             if m != "plain"
         },
         "capture_rss_growth_last_two_thirds_mb": round((cap["current_end_kb"] - cap["current_third_kb"]) / 1024, 1),
+        # Robust to warm-up and to one-off stalls: the steps of each run's second half, and its median loop period.
+        "second_half_throughput_vs_plain": {
+            m: round(max(r["second_half_steps"] for r in rs) / max(r["second_half_steps"] for r in results["plain"]), 3)
+            for m, rs in results.items()
+            if m != "plain"
+        },
+        "median_period_ms": {m: min(r["median_period_ms"] for r in rs) for m, rs in results.items()},
+        # Current RSS over the second half, once a second: a least-squares slope (MB per minute), ~0 when bounded.
+        "rss_slope_second_half_mb_per_min": {m: _slope(rs[-1]["rss_samples"]) for m, rs in results.items()},
         "longest_step_s": {m: round(max(r["longest_step_s"] for r in rs), 4) for m, rs in results.items()},
         "capture_tpudiag_max_outside_windows_s": cap["tpudiag_max_outside_windows_s"],
         "capture_pulse_covers_every_step": cap["pulse_steps"] == cap["steps"],
@@ -120,7 +140,7 @@ def main() -> dict[str, object]:
             "peak_rss_over_plain_mb": RSS_TARGET_MB,
             "stall_outside_windows_s": STALL_TARGET_S,
         },
-        "runs": results,
+        "runs": {m: [{k: v for k, v in r.items() if k != "rss_samples"} for r in rs] for m, rs in results.items()},
     }
     return summary
 

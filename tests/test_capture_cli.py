@@ -231,7 +231,10 @@ def test_sigkill_leaves_a_run_that_is_later_marked_interrupted_with_its_flushed_
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
-    time.sleep(1.5)  # let the flusher load the chunks written at each optimizer step
+    # The run is registered and its flushed chunks loaded while it runs (a child process loads the spool).
+    deadline = time.monotonic() + 60
+    while not (db.exists() and _runs(db, tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
     (running,) = _runs(db, tmp_path)
     assert running["status"] == "running"
     proc.kill()

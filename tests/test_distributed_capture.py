@@ -144,6 +144,11 @@ def test_one_run_with_every_rank(ddp_job: dict[str, Any]) -> None:
     assert [r["rank"] for r in dist["ranks"]] == [0, 1]
     assert all(r["status"] == "ok" and r["steps"] == 5 for r in dist["ranks"])
     assert len({r["pid"] for r in dist["ranks"]}) == 2
+    # Every rank's pulse and trace window are the run's (a long run's step figures come from the pulse), and each
+    # window's first event id points at its own rank's events.
+    assert report["pulse"]["ranks"] == 2 and report["pulse"]["steps"] == 5
+    windows = report["windows"]
+    assert sorted(w["rank"] for w in windows) == [0, 1] and all(w["top_ops"] for w in windows), windows
     with duckdb.connect(str(ddp_job["db"]), read_only=True) as con:
         ranks = con.execute("SELECT DISTINCT rank FROM trace_events ORDER BY rank").fetchall()
         ids = con.execute("SELECT count(*) = count(DISTINCT event_id) FROM trace_events").fetchall()

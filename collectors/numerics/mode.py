@@ -198,7 +198,7 @@ class NumericsMode(UncheckedCalls, OutputJudge, OracleRuns, TorchDispatchMode): 
         numel = sum(t.numel() for t in tensors)
         if numel > self.ctx.size_cap:
             return "size_cap", signature
-        if not self.sampler.in_time(sampled_as, lambda: self.budget.estimate(plan.name, plan.kind, numel)):
+        if not self.sampler.in_time(sampled_as, lambda: self.budget.cautious_estimate(plan.name, plan.kind, numel)):
             return "budget", signature
         if self.budget.pct is not None and not self.budget.allows_check(
             plan.name, plan.kind, numel, now - self.started, self.sampler.checked.get(sampled_as, 0)

@@ -16,6 +16,12 @@ the cost of a watched step is measured as its wall time minus a plain (unwatched
 and hook costs are charged too; before any plain step exists a calibrated per-op entry cost stands in.  When the
 budget runs out inside a step the mode leaves at the next module boundary; steps the schedule wanted but the
 budget refused are recorded as skipped with reason ``budget``.
+
+Long runs (issue 21).  Once the run has settled (a watched step met nothing new), no step outside a trace window is
+stalled by the checker for long: a step's checks stop ``CHECK_STEP_S`` after it began (an op never measured is
+expected to cost ``UNMEASURED_FACTOR`` times its prior), a new signature's check that would end later waits for a
+later call (reason ``budget``), and a periodic re-check step's signatures left over come first in the next one.
+Trace windows' steps (``boost``) check every call, as ``--numerics all`` does.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ EVERY_STEPS = 50
 # Once a run has settled, the checks of one step stop after this many seconds (issue 21: no step of a long run
 # stalled by tpudiag for more than 50 ms outside trace windows); what is left waits for a later step.
 CHECK_STEP_S = 0.03
+# A settled step's check of an op never measured before is expected to cost this many times its prior.
+UNMEASURED_FACTOR = 10.0
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,12 @@ class Budget:
         if rate is None:
             rate = self._rate_by_kind.get(kind, PRIOR_PER_ELEMENT_S.get(kind, PRIOR_DEFAULT_PER_ELEMENT_S))
         return self._fixed_s + rate * numel
+
+    def cautious_estimate(self, op: str, kind: str, numel: int) -> float:
+        """``estimate``, ``UNMEASURED_FACTOR`` times over for an op never checked yet: the priors per kind can be far
+        off (a first check of a 2M-element sort took 25x its prior)."""
+        cost = self.estimate(op, kind, numel)
+        return cost if op in self._rate_by_op else cost * UNMEASURED_FACTOR
 
     def allows_check(self, op: str, kind: str, numel: int, elapsed_s: float, times_checked: int) -> bool:
         """Whether a check of this cost fits in the allowance left (half of it for a signature already checked)."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tpudiag.distributed.analysis import Lateness
 from tpudiag.distributed.records import Collective, Fingerprint, RankInfo
 from tpudiag.distributed.shards import table_glob
-from tpudiag.model import BULK_TABLES, CompileEvent, Step, column_kinds, is_table_name
+from tpudiag.model import BULK_TABLES, CompileEvent, PulseStep, Step, column_kinds, is_table_name
 
 if TYPE_CHECKING:
     import duckdb
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 _DUCK = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "str": "VARCHAR"}
 # Per-rank copies of model tables, every attempt kept: (store table, record type it mirrors).
-RANK_TABLES: dict[str, type[Any]] = {"dist_steps": Step, "dist_compile_events": CompileEvent}
+RANK_TABLES: dict[str, type[Any]] = {"dist_steps": Step, "dist_compile_events": CompileEvent, "dist_pulse": PulseStep}
 OWN_TABLES: dict[str, type[Any]] = {c.TABLE: c for c in (RankInfo, Fingerprint, Collective)}
 ALL_TABLES = (*OWN_TABLES, *RANK_TABLES)
 # Rank data loaded into the run's main tables gets ids offset by rank, so ids stay unique within the run.
@@ -43,7 +43,11 @@ def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def has_tables(con: duckdb.DuckDBPyConnection) -> bool:
-    rows = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'dist_ranks'").fetchall()
+    return table_exists(con, "dist_ranks")
+
+
+def table_exists(con: duckdb.DuckDBPyConnection, table: str) -> bool:
+    rows = con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [table]).fetchall()
     return bool(rows and rows[0][0])
 
 
@@ -79,7 +83,7 @@ def clear_run(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
 def load_rank_tables(con: duckdb.DuckDBPyConnection, root: Root, run_id: str) -> None:
     """Every attempt of every rank into the ``dist_*`` tables (collectives are derived separately)."""
     pairs = {RankInfo.TABLE: RankInfo.TABLE, Fingerprint.TABLE: Fingerprint.TABLE}
-    pairs.update({"dist_steps": Step.TABLE, "dist_compile_events": CompileEvent.TABLE})
+    pairs.update({name: cls.TABLE for name, cls in RANK_TABLES.items()})
     for store_table, shard_table in pairs.items():
         if not shard_files(root, shard_table):
             continue
@@ -93,14 +97,18 @@ def set_run_owner(con: duckdb.DuckDBPyConnection, run_id: str, host: str, pid: i
     con.execute("UPDATE runs SET host = ?, pid = ? WHERE id = ? AND status = 'running'", [host, pid, run_id])
 
 
-MAIN_TABLES = ("trace_events", "steps", "compile_events", "ops", "op_diffs")
+MAIN_TABLES = (
+    "trace_events", "steps", "compile_events", "ops", "op_diffs",
+    # Every rank's pulse, trace windows and memory figures (issues 21, 22: each row says its rank).
+    "pulse", "trace_windows", "memory_steps", "memory_blocks", "memory_timeline", "memory_oom", "memory_oom_allocs",
+)  # fmt: skip
 
 
 def load_main_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, attempt: int, ops_rank: int) -> None:
     """One attempt's rank data into the run's own tables (what the single-run report, dashboard and exports read).
 
-    Trace events, steps and compile events of every rank (ids offset by rank); ops and op diffs of ``ops_rank``
-    only, so the numerics section reads as one rank's.
+    Trace events, steps, compile events, the pulse, trace windows and memory figures of every rank (ids offset by
+    rank); ops and op diffs of ``ops_rank`` only, so the numerics section reads as one rank's.
     """
     shift = f"((rank + 1) << {ID_SHIFT})"
     for table in MAIN_TABLES:  # a second merge (another node of the job finishing later) replaces, never adds
@@ -112,7 +120,10 @@ def load_main_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str, at
         "compile_events": f"seq + {shift} AS seq",
         "ops": None,
         "op_diffs": None,
+        # A window's first event id points into trace_events, whose ids are offset by rank here.
+        "trace_windows": f"first_event_id + {shift} AS first_event_id",
     }
+    plans.update({t: None for t in MAIN_TABLES if t not in plans})
     for table, replace in plans.items():
         if not shard_files(root, table):
             continue
@@ -333,12 +344,24 @@ def fingerprint_ranks(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int)
 
 
 def step_spread(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> dict[int, dict[str, Any]]:
-    """``analysis.step_spread`` per rank in SQL: count, min, max and the one or two middle durations."""
+    """``analysis.step_spread`` per rank in SQL: count, min, max and the one or two middle durations.
+
+    From the ranks' pulse when they kept one (every step: its period, the gap before it included), else from the
+    steps their traces saw (with trace windows, only the windows' steps)."""
+    pulse = (
+        con.execute("SELECT count(*) FROM dist_pulse WHERE run_id = ? AND restart = ?", [run_id, attempt]).fetchone()
+        if table_exists(con, "dist_pulse")  # not in a store merged before the pulse existed
+        else None
+    )
+    if pulse and pulse[0]:
+        source = "SELECT rank, dur_ns + coalesce(gap_ns, 0) AS dur_ns FROM dist_pulse WHERE run_id = ? AND restart = ?"
+    else:
+        source = "SELECT rank, dur_ns FROM dist_steps WHERE run_id = ? AND restart = ?"
     rows = con.execute(
-        """
+        f"""
         SELECT rank, n, mn, mx, l[(n - 1) // 2 + 1], l[n // 2 + 1] FROM (
             SELECT rank, count(*) AS n, min(dur_ns) AS mn, max(dur_ns) AS mx, list_sort(list(dur_ns)) AS l
-            FROM dist_steps WHERE run_id = ? AND restart = ? GROUP BY rank
+            FROM ({source}) GROUP BY rank
         )
         """,
         [run_id, attempt],
@@ -374,7 +397,10 @@ def export_partitions(con: duckdb.DuckDBPyConnection, run_id: str, out_dir: Path
         return []
     written: list[Path] = []
     for table in EXPORT_TABLES:
-        if not con.execute(f"SELECT 1 FROM {table} WHERE run_id = ? LIMIT 1", [run_id]).fetchall():
+        if (
+            not table_exists(con, table)
+            or not con.execute(f"SELECT 1 FROM {table} WHERE run_id = ? LIMIT 1", [run_id]).fetchall()
+        ):
             continue
         target = out_dir / table
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,9 @@ did, put DuckDB and its buffers into that process: +160 MB of RSS from the first
 - the parent writes the run's first record to ``<run dir>/feeder.json`` and starts the child at the first flush;
 - every ``interval`` seconds the child registers the run (never over a record already there) and loads the parts
   that are finished (``Store.ingest_spool``: each part at most once, deleted after the commit);
-- it leaves when ``<run dir>/feeder.stop`` appears or the parent is gone; the parent waits for it before its own
-  final store write (one writer at a time), and loads whatever is left itself, as before.
+- it leaves when ``<run dir>/feeder.stop`` appears (the parent waits for it before its own final store write: one
+  writer at a time, and loads whatever is left itself, as before), or after one last load when the parent is gone
+  (killed: what it had flushed is kept).
 
 Where no child can start, the caller loads the spool in its own process (``SpoolFeeder.start`` returns False).
 """
@@ -115,7 +116,11 @@ def main(argv: list[str]) -> int:
     store = Store(db)
     registered = False
     next_load = time.monotonic()
-    while not (run_dir / STOP_FILE).exists() and _alive(parent):
+    while not (run_dir / STOP_FILE).exists():
+        if not _alive(parent):
+            # The capture died (killed?): what its collectors had flushed is loaded once more, nobody else will.
+            _load_once(store, run, spool_dir, registered)
+            break
         if time.monotonic() >= next_load:
             registered = _load_once(store, run, spool_dir, registered)
             next_load = time.monotonic() + interval

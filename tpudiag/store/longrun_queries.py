@@ -18,18 +18,20 @@ def _dicts(cur: Any) -> list[dict[str, Any]]:
 
 
 def pulse_summary(store: Store, run_id: str) -> dict[str, Any] | None:
-    """Steps, step-time percentiles, slow steps (over ``SLOW_FACTOR`` x the median), compile and non-finite counts."""
+    """Steps (of the rank that ran most), step-time percentiles, slow steps (over ``SLOW_FACTOR`` x the median),
+    compile and non-finite counts (every rank's)."""
     with store.reader() as con:
         row = con.execute(
             "SELECT count(*), quantile_cont(dur_ns, 0.5), quantile_cont(dur_ns, 0.99), max(dur_ns), sum(dur_ns), "
             "sum(coalesce(gap_ns, 0)), sum(own_ns), sum(recompiles), sum(graph_breaks), "
-            "count(*) FILTER (WHERE nonfinite), count(DISTINCT rank), 0 "
+            "count(*) FILTER (WHERE nonfinite), count(DISTINCT rank), "
+            "(SELECT max(n) FROM (SELECT count(*) AS n FROM pulse WHERE run_id = ? GROUP BY rank)) "
             "FROM pulse WHERE run_id = ?",
-            [run_id],
+            [run_id, run_id],
         ).fetchone()
         if row is None or not row[0]:
             return None
-        steps, p50, p99, longest, busy, gaps, own, recompiles, breaks, nonfinite, ranks, _ = row
+        _, p50, p99, longest, busy, gaps, own, recompiles, breaks, nonfinite, ranks, steps = row
         slow = _dicts(
             con.execute(
                 "SELECT step, rank, dur_ns, window_id FROM pulse WHERE run_id = ? AND dur_ns > ? "
