@@ -4,6 +4,7 @@ changes in between."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -89,10 +90,8 @@ def test_an_exception_inside_a_nested_call_leaves_the_depth_at_zero() -> None:
     try:
         bad = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(5, 5))
         for _ in range(2):
-            try:
+            with contextlib.suppress(RuntimeError):
                 bad(torch.randn(2, 4))
-            except RuntimeError:
-                pass
         torch.nn.Linear(4, 4)(torch.randn(2, 4))
     finally:
         module_calls.remove(roots)

@@ -10,6 +10,7 @@ The feeder's last load when the capture is killed is covered by ``test_capture_c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -40,10 +41,8 @@ def _children(pid: int) -> list[str]:
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
-            try:
+            with contextlib.suppress(OSError):
                 out.append(Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-            except OSError:
-                pass
     return out
 
 
