@@ -354,3 +354,18 @@ def test_tpudiag_db_environment_variable_selects_the_store(tmp_path: Path) -> No
     assert listed.returncode == 0, listed.stderr
     assert [r["name"] for r in json.loads(listed.stdout)] == ["s"]
     assert target.exists() and not (tmp_path / "tpudiag.duckdb").exists()
+
+
+def test_a_capture_in_this_process_gives_back_its_sigterm_handling(tmp_path: Path, db: Path) -> None:
+    """The capture ignores a SIGTERM that comes after the script until the run is stored; a process that goes on
+    after an in-process capture (the Python API, a test run) got SIGTERM back ignored for good, and every child it
+    started later ignored it too (a SIGTERM test after an in-process capture saw its script run to the end)."""
+    from tpudiag.capture_options import CaptureOptions
+    from tpudiag.runner import Target
+    from tpudiag.script_capture import capture_script
+
+    script = _write(tmp_path / "s.py", "print('done')\n")
+    before = signal.getsignal(signal.SIGTERM)
+    result = capture_script(Target("script", str(script), ()), CaptureOptions(db=db, collect=[]))
+    assert result.exit_code == 0
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -144,6 +144,20 @@ def signals_to_main_thread() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+@contextlib.contextmanager
+def sigterm_restored() -> Iterator[None]:
+    """The caller's SIGTERM disposition comes back at the end of the block: ``run`` ignores a SIGTERM that comes
+    after the script (the store write must not be cut short), which in a process that goes on after the capture
+    (the Python API, a test) had left SIGTERM ignored for good, and every child it started after ignored it too."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if before is not None and signal.getsignal(signal.SIGTERM) is not before:
+            with contextlib.suppress(ValueError):  # not the main thread: nothing was changed there either
+                signal.signal(signal.SIGTERM, before)
+
+
 def run(target: Target) -> Outcome:
     """Run the target in this process and report how it ended."""
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None

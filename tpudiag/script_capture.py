@@ -58,34 +58,36 @@ def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock 
     spawned = reach.install(
         run.id, run_dir, options.collect, options.collector_options, options.flush_interval_s, session.ctx
     )
-    outcome = runner.run(target)
-    if spawned is not None:
-        spawned.remove()
-        if spawned.used and isinstance(sink, StoreLater):
-            sink.keep_in_process()  # the ranks are merged here, below
-    finished = session.stop(outcome)
-    if spawned is not None:
-        finished = spawned.settle(finished)
-    try:
-        delivered = session.deliver(finished)
-    except (StoreError, OSError) as err:
-        # The script has run: a store or run folder that failed meanwhile (a full disk, issue 21) degrades the
-        # capture, never the script's exit status.  The spool stays in the run folder for the next command to recover.
-        session.note(f"the run could not be stored ({err}); the script's exit status stands")
-        result = CaptureResult(run.id, outcome.exit_code, outcome.status, session.active, session.ctx, False)
+    with runner.sigterm_restored():  # the caller's SIGTERM handling once the run is stored
+        outcome = runner.run(target)
+        if spawned is not None:
+            spawned.remove()
+            if spawned.used and isinstance(sink, StoreLater):
+                sink.keep_in_process()  # the ranks are merged here, below
+        finished = session.stop(outcome)
+        if spawned is not None:
+            finished = spawned.settle(finished)
+        try:
+            delivered = session.deliver(finished)
+        except (StoreError, OSError) as err:
+            # The script has run: a store or run folder that failed meanwhile (a full disk, issue 21) degrades
+            # the capture, never the script's exit status.  The spool stays in the run folder for the next command
+            # to recover.
+            session.note(f"the run could not be stored ({err}); the script's exit status stands")
+            result = CaptureResult(run.id, outcome.exit_code, outcome.status, session.active, session.ctx, False)
+            result.internal_errors = session.internal_errors_line
+            return result
+        if spawned is not None and delivered.stored:
+            spawned.merge(store, delivered.run)
+        if options.remote and delivered.stored:  # else the detached child that stores the run publishes it
+            from tpudiag.remote import single
+
+            why = single.publish_if_asked(store, delivered.run, run_dir)
+            if why:
+                session.note(why)
+        result = CaptureResult(run.id, outcome.exit_code, outcome.status, session.active, session.ctx, delivered.stored)
         result.internal_errors = session.internal_errors_line
         return result
-    if spawned is not None and delivered.stored:
-        spawned.merge(store, delivered.run)
-    if options.remote and delivered.stored:  # else the detached child that stores the run publishes it
-        from tpudiag.remote import single
-
-        why = single.publish_if_asked(store, delivered.run, run_dir)
-        if why:
-            session.note(why)
-    result = CaptureResult(run.id, outcome.exit_code, outcome.status, session.active, session.ctx, delivered.stored)
-    result.internal_errors = session.internal_errors_line
-    return result
 
 
 def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
