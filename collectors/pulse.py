@@ -152,7 +152,7 @@ class PulseRecorder:
         # Steps inside a window (and the one that closes it) pay for the profiler and the checker: not a signal.
         period = max(dur + (gap or 0) - checker_ns, 0)
         # A step that compiled is slow for that reason: its recompile or graph break window says so.
-        if self.window_id is None and self.slow.check(period / 1e9) and median and not fired:
+        if self.window_id is None and self.slow.fires(period / 1e9) and median and not fired:
             fired.append(
                 (
                     "slow_step",

@@ -32,6 +32,20 @@ def test_slow_steps_flags_outliers_and_keeps_them_out_of_the_median() -> None:
     assert not tiny.check(0.001)  # 10x, but only 0.9 ms more: jitter
 
 
+def test_an_isolated_outlier_opens_no_window_a_repeated_or_far_one_does() -> None:
+    slow = triggers.SlowSteps(factor=4.0, min_extra_s=0.005)
+    for _ in range(40):
+        slow.fires(0.003)
+    # Jitter: single steps of 5-15x the median, far apart.
+    jitter = [slow.fires(0.040 if i % 50 == 0 else 0.003) for i in range(1, 500)]
+    assert not any(jitter)
+    assert slow.fires(0.100)  # 33x the median: far out, alone
+    for _ in range(40):
+        slow.fires(0.003)
+    assert not slow.fires(0.030)  # 10x, alone
+    assert slow.fires(0.030)  # ... and again at once: a run of slow steps
+
+
 def test_rate_limit_spaces_trigger_windows_but_never_holds_a_manual_one() -> None:
     limit = triggers.RateLimit(min_interval_s=30.0, max_per_reason=2)
     assert limit.allow("slow_step", 100.0)

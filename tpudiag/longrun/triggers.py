@@ -13,6 +13,12 @@ MEDIAN_EVERY = 16  # the median is recomputed every this many steps (sorting 64 
 WARMUP_STEPS = 100  # no trigger fires before this many steps (compiles, allocator growth, caches)
 MIN_INTERVAL_S = 30.0  # between two trigger windows of one reason (a manual trigger is never held back)
 MAX_PER_REASON = 20  # trigger windows of one reason in a run; then that reason only counts
+# One outlier opens a window only when another came within REPEAT_WITHIN steps before it, or when it is FAR_FACTOR x
+# the median: on a shared host isolated steps of 4-15x the median come every few seconds (the scheduler, a GC, the
+# host's other work), and a 10-minute bench run spent all 20 slow_step windows on them before its planted run of
+# 50x slow steps began.
+REPEAT_WITHIN = 16
+FAR_FACTOR = 25.0
 
 
 @dataclass
@@ -24,6 +30,8 @@ class SlowSteps:
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=MEDIAN_WINDOW))
     median_s: float | None = None
     _since: int = 0
+    _steps: int = 0
+    _last_slow: int | None = None  # the step count at the last outlier (``fires``)
 
     def check(self, dur_s: float) -> bool:
         """Record a step; True when it is slower than ``factor`` x the median (outliers stay out of the median)."""
@@ -37,6 +45,17 @@ class SlowSteps:
                 self.median_s = ordered[len(ordered) // 2]
                 self._since = 0
         return slow
+
+    def fires(self, dur_s: float) -> bool:
+        """``check``, and whether this outlier should open a window: it repeats one of the last ``REPEAT_WITHIN``
+        steps, or it is ``FAR_FACTOR`` x the median."""
+        median = self.median_s
+        self._steps += 1
+        if not self.check(dur_s):
+            return False
+        repeat = self._last_slow is not None and self._steps - self._last_slow <= REPEAT_WITHIN
+        self._last_slow = self._steps
+        return repeat or (median is not None and dur_s > FAR_FACTOR * median)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpudiag.distributed import merge
+from tpudiag.distributed.records import Fingerprint, RankInfo
 from tpudiag.distributed.report_section import section_from
 from tpudiag.remote import catalog
 from tpudiag.remote.gather import run_record
@@ -48,7 +49,11 @@ _PROJECTIONS = {
     # every diff but skipped ones (no count or listing reads those), plus one row per (rank, restart)
     "op_diffs": "SELECT * FROM {src} WHERE verdict <> 'skip' OR role IS NOT NULL "
     "UNION ALL BY NAME SELECT DISTINCT rank, restart FROM {src}",
+    # every step's period, for the per-rank step figures (``distributed_queries.STEP_FIGURES``)
+    "pulse": "SELECT rank, restart, dur_ns, gap_ns FROM {src}",
 }
+# The shard tables the merge reads (others, e.g. trace windows and memory figures, stay in the bucket).
+_MERGED = {RankInfo.TABLE, Fingerprint.TABLE, "steps", "compile_events", "trace_events", "ops", "op_diffs", "pulse"}
 
 
 CHUNK = int(os.environ.get("TPUDIAG_REMOTE_CHUNK", "16"))  # objects per scan (see ``BucketShards.load``)
@@ -65,7 +70,9 @@ class BucketShards:
         for state in states:
             for obj in state.shard_objects():  # file://: DuckDB's own file system reads the plain path
                 name = remote.path(obj) if remote.protocol == "file" else remote.uri(obj)
-                self.by_table[obj.split("/")[1]].append(name)
+                table = obj.split("/")[1]
+                if table in _MERGED:
+                    self.by_table[table].append(name)
 
     def files(self, table: str) -> list[str]:
         return sorted(self.by_table.get(table, []))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tpudiag.distributed.analysis import Lateness
 from tpudiag.distributed.records import Collective, Fingerprint, RankInfo
 from tpudiag.distributed.shards import table_glob
-from tpudiag.model import BULK_TABLES, CompileEvent, PulseStep, Step, column_kinds, is_table_name
+from tpudiag.model import BULK_TABLES, CompileEvent, Step, column_kinds, is_table_name
 
 if TYPE_CHECKING:
     import duckdb
@@ -21,7 +21,13 @@ if TYPE_CHECKING:
 
 _DUCK = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "str": "VARCHAR"}
 # Per-rank copies of model tables, every attempt kept: (store table, record type it mirrors).
-RANK_TABLES: dict[str, type[Any]] = {"dist_steps": Step, "dist_compile_events": CompileEvent, "dist_pulse": PulseStep}
+RANK_TABLES: dict[str, type[Any]] = {"dist_steps": Step, "dist_compile_events": CompileEvent}
+# Per (rank, attempt): the step figures of the ranks' pulse (every step), derived at load time (never exported).
+STEP_FIGURES = "dist_step_figures"
+_STEP_FIGURES_DDL = (
+    f"CREATE TABLE IF NOT EXISTS {STEP_FIGURES} (run_id VARCHAR, rank BIGINT, restart BIGINT, steps BIGINT, "
+    "min_ns BIGINT, max_ns BIGINT, median_ns DOUBLE)"
+)
 OWN_TABLES: dict[str, type[Any]] = {c.TABLE: c for c in (RankInfo, Fingerprint, Collective)}
 ALL_TABLES = (*OWN_TABLES, *RANK_TABLES)
 # Rank data loaded into the run's main tables gets ids offset by rank, so ids stay unique within the run.
@@ -40,6 +46,7 @@ def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
     for name, cls in {**OWN_TABLES, **RANK_TABLES}.items():
         cols = ", ".join(f'"{n}" {_DUCK[k]}' for n, k in _columns(cls, with_attempt=True))
         con.execute(f"CREATE TABLE IF NOT EXISTS {name} ({cols})")
+    con.execute(_STEP_FIGURES_DDL)
 
 
 def has_tables(con: duckdb.DuckDBPyConnection) -> bool:
@@ -76,7 +83,7 @@ def _source(root: Root, table: str) -> str:
 
 
 def clear_run(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
-    for table in ALL_TABLES:
+    for table in (*ALL_TABLES, STEP_FIGURES):
         con.execute(f"DELETE FROM {table} WHERE run_id = ?", [run_id])
 
 
@@ -89,6 +96,14 @@ def load_rank_tables(con: duckdb.DuckDBPyConnection, root: Root, run_id: str) ->
             continue
         con.execute(
             f"INSERT INTO {store_table} BY NAME SELECT * REPLACE (? AS run_id) FROM {_source(root, shard_table)}",
+            [run_id],
+        )
+    if shard_files(root, "pulse"):
+        # A step's period: the step and the gap before it (data loading, everything between steps).
+        con.execute(
+            f"INSERT INTO {STEP_FIGURES} SELECT ?, rank, restart, count(*), min(p), max(p), median(p) FROM "
+            f"(SELECT rank, restart, dur_ns + coalesce(gap_ns, 0) AS p FROM {_source(root, 'pulse')}) "
+            "GROUP BY rank, restart",
             [run_id],
         )
 
@@ -234,7 +249,7 @@ def set_numerics_counts(con: duckdb.DuckDBPyConnection, run_id: str, counts: lis
 def present_ranks(con: duckdb.DuckDBPyConnection, root: Root) -> set[tuple[int, int]]:
     """(rank, attempt) of every rank that wrote anything at all."""
     found: set[tuple[int, int]] = set()
-    for table in ("trace_events", "steps", "compile_events", "ops", Fingerprint.TABLE):
+    for table in ("trace_events", "steps", "compile_events", "ops", Fingerprint.TABLE, "pulse"):
         if shard_files(root, table):
             rows = con.execute(f"SELECT DISTINCT rank, restart FROM {_source(root, table)}").fetchall()
             found |= {(int(r), int(a)) for r, a in rows}
@@ -348,20 +363,18 @@ def step_spread(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> di
 
     From the ranks' pulse when they kept one (every step: its period, the gap before it included), else from the
     steps their traces saw (with trace windows, only the windows' steps)."""
-    pulse = (
-        con.execute("SELECT count(*) FROM dist_pulse WHERE run_id = ? AND restart = ?", [run_id, attempt]).fetchone()
-        if table_exists(con, "dist_pulse")  # not in a store merged before the pulse existed
-        else None
-    )
-    if pulse and pulse[0]:
-        source = "SELECT rank, dur_ns + coalesce(gap_ns, 0) AS dur_ns FROM dist_pulse WHERE run_id = ? AND restart = ?"
-    else:
-        source = "SELECT rank, dur_ns FROM dist_steps WHERE run_id = ? AND restart = ?"
+    if table_exists(con, STEP_FIGURES):  # not in a store merged before the pulse existed
+        figures = con.execute(
+            f"SELECT rank, steps, min_ns, max_ns, median_ns FROM {STEP_FIGURES} WHERE run_id = ? AND restart = ?",
+            [run_id, attempt],
+        ).fetchall()
+        if figures:
+            return {int(r): _figures(int(n), int(mn), int(mx), float(med)) for r, n, mn, mx, med in figures}
     rows = con.execute(
-        f"""
+        """
         SELECT rank, n, mn, mx, l[(n - 1) // 2 + 1], l[n // 2 + 1] FROM (
             SELECT rank, count(*) AS n, min(dur_ns) AS mn, max(dur_ns) AS mx, list_sort(list(dur_ns)) AS l
-            FROM ({source}) GROUP BY rank
+            FROM dist_steps WHERE run_id = ? AND restart = ? GROUP BY rank
         )
         """,
         [run_id, attempt],
@@ -369,13 +382,17 @@ def step_spread(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> di
     out: dict[int, dict[str, Any]] = {}
     for rank, n, mn, mx, lo, hi in rows:
         median = int(lo) if n % 2 else (int(lo) + int(hi)) / 2  # as statistics.median of the durations
-        out[int(rank)] = {
-            "steps": int(n),
-            "step_median_s": round(median / 1e9, 6),
-            "step_min_s": round(int(mn) / 1e9, 6),
-            "step_max_s": round(int(mx) / 1e9, 6),
-        }
+        out[int(rank)] = _figures(int(n), int(mn), int(mx), median)
     return out
+
+
+def _figures(steps: int, min_ns: int, max_ns: int, median_ns: float) -> dict[str, Any]:
+    return {
+        "steps": steps,
+        "step_median_s": round(median_ns / 1e9, 6),
+        "step_min_s": round(min_ns / 1e9, 6),
+        "step_max_s": round(max_ns / 1e9, 6),
+    }
 
 
 def compile_events(con: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> list[CompileEvent]:
