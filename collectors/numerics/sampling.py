@@ -17,7 +17,8 @@ and hook costs are charged too; before any plain step exists a calibrated per-op
 budget runs out inside a step the mode leaves at the next module boundary; steps the schedule wanted but the
 budget refused are recorded as skipped with reason ``budget``.
 
-Long runs (issue 21).  Once the run has settled (a watched step met nothing new), no step outside a trace window is
+Long runs (issue 21).  Once the run has settled (a watched step met nothing new) and is past the first trace
+window's steps (``schedule.FIRST_STEPS``: a short script is checked as before), no step outside a trace window is
 stalled by the checker for long: a step's checks stop ``CHECK_STEP_S`` after it began (an op never measured is
 expected to cost ``UNMEASURED_FACTOR`` times its prior), a new signature's check that would end later waits for a
 later call (reason ``budget``), and a periodic re-check step's signatures left over come first in the next one.

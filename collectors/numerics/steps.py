@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpudiag.collectors import module_calls
 from tpudiag.longrun import control, heap
+from tpudiag.longrun.schedule import FIRST_STEPS
 
 if TYPE_CHECKING:
     from tpudiag.collectors.numerics.backward_modules import BackwardModules
@@ -196,7 +197,8 @@ class StepBoundaries:
             affordable = st.boost_budget.affords(st.watch_cost_s, now - mode.started)
         st.background_step = periodic
         st.boost_step = boost and not periodic
-        mode.sampler.begin_step(boost, periodic, capped=st.schedule.settled)
+        # Held to CHECK_STEP_S a step only past the first trace window's steps: a short script is checked as before.
+        mode.sampler.begin_step(boost, periodic, capped=st.schedule.settled and st.step >= FIRST_STEPS)
         st.watching = want and affordable
         st.reason = "steady_state" if not want else "budget"
         st.partial = False
