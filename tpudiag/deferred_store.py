@@ -48,8 +48,7 @@ def write_run_file(run_dir: Path, run: Run, jobs: Sequence[DeferredJob] = ()) ->
 
 def read_run_file(run_dir: Path) -> tuple[Run, list[DeferredJob]]:
     data = json.loads((run_dir / RUN_FILE).read_text())
-    names = {f.name for f in dataclasses.fields(Run)}
-    run = Run(**{k: v for k, v in data["run"].items() if k in names})
+    run = Run.from_record(data["run"])
     return run, [DeferredJob.from_json(j) for j in data.get("jobs") or []]
 
 

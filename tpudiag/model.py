@@ -12,6 +12,7 @@ import dataclasses
 import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Union
 
@@ -50,6 +51,13 @@ class Run:
     collectors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     artifacts_dir: str | None = None
+
+    @classmethod
+    def from_record(cls, data: Mapping[str, Any]) -> Run:
+        """A run from a record written elsewhere (a JSON file, a decoded store row): fields this version does not
+        know (written by another one) are left out."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass(frozen=True)

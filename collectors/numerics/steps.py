@@ -240,10 +240,10 @@ class StepBoundaries:
         pending, st.pending_replays = st.pending_replays, {}
         if not pending or not st.profile or self._recorder is None:
             return
+        seq = st.pending_seq
         for reason, steps in pending.items():
             for (op, phase), (calls, flops) in st.profile.items():
                 if calls > 0:
-                    seq = st.pending_seq
                     self._recorder.aggregate(seq, op, phase, None, reason, flops * steps, None, calls * steps)
 
 

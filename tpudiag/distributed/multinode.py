@@ -93,8 +93,7 @@ def join_or_create(store: Store, job: str, fresh: Run) -> tuple[Run, bool]:
                 return run, False
             existing = decode_run(dict(zip(cols, row, strict=True)))
             if existing["status"] == "running":
-                known = {f.name for f in dataclasses.fields(Run)}
-                return Run(**{k: v for k, v in existing.items() if k in known}), True
+                return Run.from_record(existing), True
     raise UsageError(f"run ids {job} .. {job}.{MAX_REUSE} are all taken by finished runs: pass --run-id NEW")
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tpudiag.atomic_file import atomic_file
+from tpudiag.processes import pid_alive
 
 JOBS = "jobs"
 STOP = "STOP"
@@ -253,16 +254,6 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def main(argv: list[str]) -> int:
     """The worker: ``python -m tpudiag.longrun.analyst RUN_DIR RUN_ID TRACE_DIR PARENT_PID``."""
     from tpudiag.spool import Spool
@@ -280,7 +271,7 @@ def main(argv: list[str]) -> int:
                 sys.stderr.write(f"{time.strftime('%H:%M:%S')} {job.name}: {err!r}\n")
                 return 1
         if not jobs:
-            if (trace_dir / JOBS / STOP).exists() or not _alive(parent):
+            if (trace_dir / JOBS / STOP).exists() or not pid_alive(parent):
                 return 0
             time.sleep(_POLL_S)
 

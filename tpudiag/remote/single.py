@@ -100,7 +100,6 @@ def publish_if_asked(store: Store, run: Run, run_dir: Path) -> str | None:
 def main(argv: list[str]) -> int:
     """``python -m tpudiag.remote.single DB RUN_ID``: started by the detached store write once the run is stored
     (``deferred_store``), with the stored run in ``upload/stored-run.json``."""
-    import dataclasses
     import sys
     import time
 
@@ -108,8 +107,7 @@ def main(argv: list[str]) -> int:
     run_dir = store.run_dir(argv[1])
     try:
         data = json.loads((folder(run_dir) / "stored-run.json").read_text())
-        known = {f.name for f in dataclasses.fields(Run)}
-        run = Run(**{k: v for k, v in data.items() if k in known})
+        run = Run.from_record(data)
     except (OSError, ValueError, TypeError) as err:
         sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} run {argv[1]} not uploaded: {err}\n")
         return 1

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tpudiag.atomic_file import atomic_file
+from tpudiag.processes import pid_alive
 from tpudiag.remote import layout, plan
 from tpudiag.remote.location import Remote, parse, redact
 
@@ -61,16 +62,6 @@ class GiveUp(Exception):
 
 class Vanished(Exception):
     """A local file removed between listing and upload (never retried)."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Uploader:
@@ -119,7 +110,7 @@ class Uploader:
                 delay = min(delay * 2, 30.0)
 
     def _job_over(self) -> bool:
-        return (folder(self.run_dir) / "events" / "end.json").is_file() or not _pid_alive(self.config.launcher_pid)
+        return (folder(self.run_dir) / "events" / "end.json").is_file() or not pid_alive(self.config.launcher_pid)
 
     def _put_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
         path = self.remote.path(*parts)
@@ -259,7 +250,7 @@ def run(run_dir: Path, poll_s: float = 0.25) -> int:
             items = up.shards() + up.pending(plan.raw_items(run_dir, config.run_id, config.node, named))
             with contextlib.suppress(GiveUp):  # no deadline while the job runs: send only gives up at the end
                 up.send(items)
-        if not _pid_alive(config.launcher_pid) and not end.is_file():
+        if not pid_alive(config.launcher_pid) and not end.is_file():
             up.log("the launcher is gone without an end: uploading what is final, no completion marker")
             up.finish(None)
             return 1

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpudiag.errors import StoreError, StoreLockedError
 from tpudiag.model import BULK_TABLES, Run, column_names, is_table_name
+from tpudiag.processes import pid_alive
 from tpudiag.store import pending
 from tpudiag.store.pending import Finisher
 from tpudiag.store.schema import MIGRATIONS, SCHEMA_VERSION, ddl
@@ -296,7 +297,7 @@ class Store:
         stale = [
             (rid, pid, started, adir)
             for rid, pid, started, adir in rows
-            if pid and not _alive(pid) and not pending.is_pending(self, rid)  # its script did finish
+            if pid and not pid_alive(pid) and not pending.is_pending(self, rid)  # its script did finish
         ]
         if not stale:
             return []
@@ -326,16 +327,6 @@ def spool_tables(spool_dir: Path) -> list[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     return [t for t in BULK_TABLES if t in names] + [t for t in names if t not in BULK_TABLES and is_table_name(t)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def decode_run(row: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,10 @@ import sys
 import time
 from pathlib import Path
 
+from tpudiag.errors import TpudiagError
 from tpudiag.model import Run
+from tpudiag.processes import pid_alive
+from tpudiag.store.database import Store
 
 RUN_FILE = "feeder.json"
 STOP_FILE = "feeder.stop"
@@ -80,21 +83,12 @@ class SpoolFeeder:
                 (self.run_dir / name).unlink()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return os.getppid() == pid
+def _parent_alive(pid: int) -> bool:
+    """The capture that started this child still runs (and its id was not reused: it is still our parent)."""
+    return pid_alive(pid) and os.getppid() == pid
 
 
-def _load_once(store: object, run: Run, spool_dir: Path, registered: bool) -> bool:
-    from tpudiag.errors import TpudiagError
-    from tpudiag.store import Store
-
-    assert isinstance(store, Store)
+def _load_once(store: Store, run: Run, spool_dir: Path, registered: bool) -> bool:
     try:
         if not registered:
             store.put_run(run, replace=False)
@@ -109,15 +103,12 @@ def main(argv: list[str]) -> int:
     db, run_dir, spool_dir, parent, interval = Path(argv[0]), Path(argv[1]), Path(argv[2]), int(argv[3]), float(argv[4])
     with contextlib.suppress(OSError):
         os.nice(NICE)
-    from tpudiag.store import Store
-
-    names = {f.name for f in dataclasses.fields(Run)}
-    run = Run(**{k: v for k, v in json.loads((run_dir / RUN_FILE).read_text()).items() if k in names})
+    run = Run.from_record(json.loads((run_dir / RUN_FILE).read_text()))
     store = Store(db)
     registered = False
     next_load = time.monotonic()
     while not (run_dir / STOP_FILE).exists():
-        if not _alive(parent):
+        if not _parent_alive(parent):
             # The capture died (killed?): what its collectors had flushed is loaded once more, nobody else will.
             _load_once(store, run, spool_dir, registered)
             break
