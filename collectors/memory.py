@@ -33,7 +33,9 @@ from types import TracebackType
 from typing import Any
 
 from tpudiag import internal_errors, runner
+from tpudiag.longrun import triggers
 from tpudiag.longrun.growth import GrowthWatch
+from tpudiag.longrun.stride import Stride
 from tpudiag.plugins import CaptureContext
 
 PROBE_FIGURES = ("allocated_bytes", "reserved_bytes", "peak_bytes", "rss_bytes", "device_used_bytes")
@@ -112,6 +114,11 @@ class MemoryCollector:
         self._main_thread = threading.main_thread()
         self._probe: Any = None
         self._growth = GrowthWatch()  # growth of the live bytes past their post-warm-up floor
+        self._span_from = 0  # the step of the growth span's first reading
+        self._unreported: dict[str, Any] | None = None  # the last sample, until the pulse's probe takes it
+        self._latest: dict[str, Any] | None = None  # the last sample
+        self._sampled_step = -1  # the step of the last reading
+        self._stride = Stride()  # one sample a step, thinned on fast steps (tpudiag.longrun.stride)
 
     # -- plugin protocol --------------------------------------------------------------------------------------
     def is_available(self) -> bool:
@@ -237,37 +244,55 @@ class MemoryCollector:
     def _pulse_figures(self) -> dict[str, Any]:
         """The pulse probe: the latest sample's figures (no second reading), and a ``memory`` window when the live
         bytes grew well past their post-warm-up floor."""
-        from tpudiag.longrun import triggers
-
-        try:
-            _, _, fig = self._rows[-1]
-        except IndexError:
-            fig = self._last_flushed or {}
-        live = next((fig[k] for k in ("allocated_bytes", "device_used_bytes", "rss_bytes") if fig.get(k)), None)
+        if self._unreported is None:
+            # The pulse's hook may run before this collector's: the step's reading is taken here, then.
+            self._take_reading()
+        fig, self._unreported = self._unreported, None
+        # Growth is judged every step on the latest reading (held between thinned readings, so a span is still 16
+        # steps); the record gets figures only from a reading taken since the last one.
+        latest = fig if fig is not None else self._latest
+        live = None
+        if latest is not None:
+            live = next(
+                (latest[k] for k in ("allocated_bytes", "device_used_bytes", "rss_bytes") if latest.get(k)), None
+            )
         if live is not None and self._steps >= triggers.WARMUP_STEPS:  # as every trigger: after warm-up
+            if self._growth.seen == 0:
+                self._span_from = self._steps
             low = self._growth.see(live)
             floor = self._growth.floor
             if low is not None and floor:
                 from tpudiag.longrun import control
 
-                detail = f"live memory at least {low / 2**20:.0f} MiB over steps {self._steps - self._growth.span + 1}"
-                detail += f"-{self._steps}, {low / floor:.2f}x its floor of {floor / 2**20:.0f} MiB after warm-up"
+                detail = f"live memory at least {low / 2**20:.0f} MiB over steps {self._span_from}-{self._steps}"
+                detail += f", {low / floor:.2f}x its floor of {floor / 2**20:.0f} MiB after warm-up"
                 if control.request("memory", numerics=False, detail=detail):
                     self._growth.granted(low)
+        if fig is None:
+            return {}  # no reading since the last step's record (thinned on fast steps): the figures are unknown
         return {k: fig.get(k) for k in PROBE_FIGURES}
+
+    def _take_reading(self) -> None:
+        """This step's reading, once, if the stride says it is due (the pulse's probe or the step hook, whichever
+        runs first)."""
+        step = self._steps
+        if self._sampled_step != step and self._stride.due(step, time.monotonic()):
+            self._sampled_step = step
+            self.sample_step(step)
 
     def sample_step(self, step: int) -> dict[str, Any]:
         """One step's figures (the sampler's dict), kept for the next flush (records are built there, off the
         step)."""
         fig: dict[str, Any] = self._sampler.sample()
         self._rows.append((step, time.time_ns(), fig))
+        self._unreported = self._latest = fig
         return fig
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._is_compiling() or threading.current_thread() is not self._main_thread:
             return
         try:
-            self.sample_step(self._steps)
+            self._take_reading()
             if self._dispatch is not None:
                 self._dispatch.failed_op = None  # an error the script caught and went past
                 if self._dispatch.full():

@@ -79,6 +79,8 @@ class TraceCollector(LongRunMixin):
         self._patches: list[tuple[Any, str, Any]] = []
         self._hooks: list[Any] = []
         self._main_thread = threading.main_thread()
+        self._main_ident = self._main_thread.ident
+        self._is_compiling: Any = lambda: False  # torch.compiler.is_compiling once started
         self._pulse: Any = None  # collectors/pulse.py PulseRecorder
         self._plan: Any = None  # collectors/windows.py WindowPlan (None: --trace all)
         self._in_step = False
@@ -105,6 +107,7 @@ class TraceCollector(LongRunMixin):
         from tpudiag.collectors.modules import ModuleTracker, input_shapes
 
         self._ctx = ctx
+        self._is_compiling = torch.compiler.is_compiling
         self._trace_dir = ctx.run_dir / "trace"
         self._trace_dir.mkdir(parents=True, exist_ok=True)
         self._activities = [torch.profiler.ProfilerActivity.CPU]
@@ -218,11 +221,9 @@ class TraceCollector(LongRunMixin):
         Not here: the optimizer's own ``Optimizer.step#`` range is still open, and a profiler range that spans two
         sessions corrupts Kineto's heap (seen on torch 2.13).
         """
-        import torch
-
-        if torch.compiler.is_compiling():  # a compiled optimizer step: Dynamo must trace nothing of tpudiag's
+        if self._is_compiling():  # a compiled optimizer step: Dynamo must trace nothing of tpudiag's
             return
-        if threading.current_thread() is self._main_thread:
+        if threading.get_ident() == self._main_ident:
             self._step_ended = True
             self._in_step = False
             if self._pulse is not None:

@@ -4,6 +4,7 @@ dashboard's readers on hand-built pulse and window records."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -364,3 +365,86 @@ def test_memory_growth_is_judged_on_a_spans_low_so_transient_peaks_never_ask_for
     # after as much growth again.
     assert asked and all(s >= 300 for s in asked), asked
     assert asked[0] < 360 and len(asked) <= 2, asked
+
+
+def test_thinned_readings_every_step_first_then_one_per_interval() -> None:
+    from tpudiag.longrun.stride import Stride
+
+    stride = Stride(every_s=0.01, first_steps=5)
+    # The first steps: a reading every step, however close together.
+    assert all(stride.due(step, 1.0 + step * 1e-6) for step in range(5))
+    # Then 1 ms steps: one reading per 10 ms, never two within it.
+    due = [step for step in range(5, 105) if stride.due(step, 1.0 + step * 1e-3)]
+    assert 9 <= len(due) <= 11
+    assert all(b - a >= 10 for a, b in itertools.pairwise(due))
+    # Slow steps (10 ms or more): every step again.
+    assert all(stride.due(step, 2.0 + (step - 200) * 0.011) for step in range(200, 220))
+
+
+def test_pulse_thins_its_gradient_check_on_fast_steps_and_still_finds_a_lasting_nan(tmp_path: Path) -> None:
+    import torch
+
+    from tpudiag.collectors.pulse import PulseRecorder
+    from tpudiag.plugins import CaptureContext
+    from tpudiag.spool import Spool
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx = CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / "spool"))
+    pulse = PulseRecorder(ctx)
+    fired_at: dict[str, int] = {}
+    x = torch.randn(3, 4)
+    for step in range(60):
+        pulse.step_begin((x,), {})
+        opt.zero_grad()
+        scale = float("nan") if step >= 40 else 1.0  # a NaN that lasts, as one that reached the weights does
+        (model(x).sum() * scale).backward()
+        opt.step()
+        time.sleep(0.003)  # ~3 ms steps: a check about every 4th step after the first steps
+        _, fired = pulse.step_end(opt)
+        for reason, _detail in fired:
+            fired_at.setdefault(reason, step)
+    pulse.stop()
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "spool" / "pulse")
+    rows = dict(zip(table["step"].to_pylist(), table["nonfinite"].to_pylist(), strict=True))
+    assert sorted(rows) == list(range(60))  # every step has its record
+    assert all(rows[s] is False for s in range(schedule.FIRST_STEPS))  # the first steps: every one checked
+    thinned = [s for s in range(schedule.FIRST_STEPS, 40) if rows[s] is None]
+    assert len(thinned) >= 8, rows  # later fast steps: most read None (unknown), none a copied value
+    assert 40 < fired_at["nonfinite"] <= 40 + 8  # found within the interval (read a step after its check)
+
+
+def test_the_pulse_check_is_unseen_by_dispatch_modes(tmp_path: Path) -> None:
+    """The check's ops never reach a dispatch mode on the stack (the numerics collector's counted, checked and
+    learned them as the script's; a script's own mode would see tpudiag's ops)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tpudiag.collectors.pulse import FULL_EVERY, PulseRecorder
+    from tpudiag.plugins import CaptureContext
+    from tpudiag.spool import Spool
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    from tpudiag.longrun.stride import Stride
+
+    pulse = PulseRecorder(CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / "spool")))
+    pulse._stride = Stride(every_s=0.0)  # a check at every step
+    model(torch.randn(3, 4)).sum().backward()
+    with Seen() as seen:
+        for _ in range(FULL_EVERY + 1):  # the small check and the full one
+            pulse.step_end(opt)
+    pulse.stop()
+    assert pulse._checks > FULL_EVERY
+    assert seen.ops == []

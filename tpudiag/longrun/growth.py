@@ -1,6 +1,7 @@
 """When memory growth asks for a ``memory`` trace window (pure: the figures are passed in).
 
-Growth is judged on the *lowest* live bytes of each run of ``span`` steps, not on single readings: a trace window,
+Growth is judged on the *lowest* live bytes of each run of ``span`` steps (on fast steps the latest reading, taken
+every 10 ms: ``tpudiag.longrun.stride``), not on single readings: a trace window,
 a checked stretch or one large temporary raises a reading for a few steps and falls back, while a leak raises the
 floor under every step.  Judging single readings set off ``memory`` windows of tpudiag's own making (each window's
 profiler and checker memory lifted the host RSS past the threshold, and the next window did it again).
@@ -26,16 +27,16 @@ class GrowthWatch:
     span: int = SPAN_STEPS
     floor: int | None = None
     _low: int | None = None
-    _seen: int = 0
+    seen: int = 0  # readings in the current span
 
     def see(self, live: int) -> int | None:
         """One step's live bytes; the span's low when it closes grown past the floor (ask for a window), else
         None."""
         self._low = live if self._low is None else min(self._low, live)
-        self._seen += 1
-        if self._seen < self.span:
+        self.seen += 1
+        if self.seen < self.span:
             return None
-        low, self._low, self._seen = self._low, None, 0
+        low, self._low, self.seen = self._low, None, 0
         if self.floor is None or low < self.floor:
             self.floor = low
             return None
