@@ -99,7 +99,8 @@ class LongRunMixin:
                         numerics=req.get("numerics") == "all",
                         detail="tpudiag trigger",
                     )
-            plan.plan(pulse.step, now, fired, self._busy)
+            severity = {"slow_step": pulse.slow_ratio} if fired and pulse.slow_ratio else None
+            plan.plan(pulse.step, now, fired, self._busy, severity)
         except Exception as err:
             internal_errors.current().record("trace", "window plan", err)
         pulse.add_own(time.perf_counter_ns() - t0)

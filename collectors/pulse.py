@@ -108,6 +108,7 @@ class PulseRecorder:
         factor = ctx.options.get("slow_factor") or os.environ.get("TPUDIAG_SLOW_FACTOR")
         self.slow = SlowSteps(factor=float(factor)) if factor else SlowSteps()
         self.window_id: int | None = None  # set by the window planner while a window is open
+        self.slow_ratio: float | None = None  # the step that just ended fired slow_step: its multiple of the median
         self.nonfinite_steps = 0
         self.rows = 0
         self.degraded: str | None = None
@@ -172,7 +173,9 @@ class PulseRecorder:
         # Steps inside a window (and the one that closes it) pay for the profiler and the checker: not a signal.
         period = max(dur + (gap or 0) - checker_ns, 0)
         # A step that compiled is slow for that reason: its recompile or graph break window says so.
+        self.slow_ratio = None
         if self.window_id is None and self.slow.fires(period / 1e9) and median and not fired:
+            self.slow_ratio = period / 1e9 / median
             fired.append(
                 (
                     "slow_step",

@@ -62,9 +62,17 @@ class WindowPlan:
         self.disabled: str | None = None  # why no more windows open (the run folder failed)
         self.warm = False
 
-    def plan(self, step: int, now_s: float, fired: list[tuple[str, str]], busy: Any) -> None:
-        """At the end of a step: ``step`` is the index of the step about to start; ``fired`` the pulse's triggers;
-        ``busy()`` the ids of windows still being analysed (never pruned)."""
+    def plan(
+        self,
+        step: int,
+        now_s: float,
+        fired: list[tuple[str, str]],
+        busy: Any,
+        severity: dict[str, float] | None = None,
+    ) -> None:
+        """At the end of a step: ``step`` is the index of the step about to start; ``fired`` the pulse's triggers
+        (``severity``: how severe, by reason, where known); ``busy()`` the ids of windows still being analysed (never
+        pruned)."""
         current = self.open
         if current is not None and not self.close_next:
             over = current.end_step is not None and step >= current.end_step
@@ -73,7 +81,8 @@ class WindowPlan:
         if not self.warm and step >= WARMUP_STEPS and (self.open is None or self.open.window_id > 0):
             self.warm = True
         for reason, detail in fired:
-            if self.warm and len(self.queued) < MAX_QUEUED and self.limit.allow(reason, now_s):
+            how = severity.get(reason) if severity else None
+            if self.warm and len(self.queued) < MAX_QUEUED and self.limit.allow(reason, now_s, how):
                 self.queued.append(control.WindowRequest(reason, None, True, detail))
         for req in control.take():
             wanted = req.reason == "manual" or (self.warm and self.limit.allow(req.reason, now_s))

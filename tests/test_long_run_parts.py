@@ -448,3 +448,17 @@ def test_the_pulse_check_is_unseen_by_dispatch_modes(tmp_path: Path) -> None:
     pulse.stop()
     assert pulse._checks > FULL_EVERY
     assert seen.ops == []
+
+
+def test_a_far_slower_step_opens_its_window_through_the_interval_a_jitter_window_started() -> None:
+    limit = triggers.RateLimit(min_interval_s=30.0)
+    assert limit.allow("slow_step", 100.0, severity=5.0)  # a 5x jitter outlier's window
+    assert not limit.allow("slow_step", 105.0, severity=8.0)  # like it: held back by the interval
+    assert limit.allow("recompile", 105.0)  # another reason has its own interval
+    assert limit.allow("slow_step", 108.0, severity=60.0)  # the real slowdown, 12x as severe: opens
+    assert not limit.allow("slow_step", 110.0, severity=90.0)  # not 3x the last one any more: held
+    assert not limit.allow("slow_step", 111.0)  # no severity known: the interval holds
+    assert limit.held["slow_step"] == 3
+    capped = triggers.RateLimit(min_interval_s=30.0, max_per_reason=1)
+    assert capped.allow("slow_step", 0.0, severity=5.0)
+    assert not capped.allow("slow_step", 1.0, severity=500.0)  # the count cap holds whatever the severity
