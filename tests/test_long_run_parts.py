@@ -208,6 +208,23 @@ def test_a_settled_steps_checks_stop_in_time_and_what_is_left_comes_first_next_t
     assert s.wants(new) and not s.in_time(new, lambda: 10.0) and s.wants(new)
     s.begin_step(boost=True, recheck=False, capped=True)
     assert s.wants(new) and s.in_time(new, lambda: 10.0)  # trace windows check everything
+    assert not s.too_late(new, 10.0)
+
+
+def test_a_check_estimated_cheap_is_dropped_when_the_op_itself_outlasted_the_steps_check_time() -> None:
+    """The float64 oracle takes at least as long as the op did: an op that ran past the step's check time is not
+    checked there, whatever its estimate said (a never-measured 2M-element sort's first check had stalled a
+    settled step for 0.44 s outside any window)."""
+    from tpudiag.collectors.numerics.sampling import CHECK_STEP_S, Sampler, SamplingOptions
+
+    s = Sampler(SamplingOptions(first_k=1))
+    s.begin_step(boost=False, recheck=False, capped=True, now=time.perf_counter())
+    big = ("aten::sort", 0)
+    assert s.wants(big) and s.in_time(big, lambda: 0.001)  # estimated at 1 ms: admitted
+    assert s.too_late(big, 0.2)  # but the op alone took 0.2 s
+    assert s.wants(big)  # refused, so a later call takes its place
+    small = ("aten::add", 0)
+    assert s.wants(small) and s.in_time(small, lambda: 0.001) and not s.too_late(small, CHECK_STEP_S / 10)
 
 
 def test_background_allowance_grows_with_time() -> None:

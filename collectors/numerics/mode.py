@@ -155,6 +155,10 @@ class NumericsMode(UncheckedCalls, OutputJudge, OracleRuns, TorchDispatchMode): 
     def _after(
         self, func: Any, p: _Pending, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, op_s: float
     ) -> None:
+        if p.reason is None and p.signature is not None:
+            sampled_as = p.signature if len(p.signature) <= 9 else p.signature[:9]
+            if self.sampler.too_late(sampled_as, op_s):
+                p.reason = "budget"
         if p.reason is not None:
             self._unchecked(func, p.plan, p.seq, p.module, p.phase, p.reason, args, kwargs, out, p.tensors, p.signature)
             # The mode's own time on this call (everything but the op itself) counts against --budget.

@@ -255,6 +255,21 @@ class Sampler:
             self.refused(signature)
         return False
 
+    def too_late(self, signature: tuple[Any, ...], op_s: float) -> bool:
+        """After the op ran: whether its admitted check would end past the step's check time, its float64 oracle
+        taking at least as long as the op itself took (a lower bound that holds where the estimate was far off:
+        a never-measured 2M-element sort had been admitted at a tenth of its 0.4 s check)."""
+        until = self.check_until
+        if until is None or self._admitted == "all" or time.perf_counter() + op_s <= until:
+            return False
+        if self._admitted == "recheck":
+            self.rechecked.discard(signature)
+            if op_s <= CHECK_STEP_S:
+                self.round_done = False
+        else:
+            self.refused(signature)
+        return True
+
     def begin_step(self, boost: bool, recheck: bool, capped: bool = False, now: float | None = None) -> None:
         """The step about to start: ``boost`` checks every call, ``recheck`` re-checks signatures (this round's
         remaining ones); ``capped``: its checks stop ``CHECK_STEP_S`` after ``now``."""
