@@ -479,3 +479,35 @@ def test_a_far_slower_step_opens_its_window_through_the_interval_a_jitter_window
     capped = triggers.RateLimit(min_interval_s=30.0, max_per_reason=1)
     assert capped.allow("slow_step", 0.0, severity=5.0)
     assert not capped.allow("slow_step", 1.0, severity=500.0)  # the count cap holds whatever the severity
+
+
+def test_the_pulse_never_counts_more_own_time_than_the_step_took(tmp_path: Path) -> None:
+    """A checker clock that jumps (as a budget correction about earlier steps did) is not a stall of this step."""
+    import torch
+
+    from tpudiag.collectors.pulse import PulseRecorder
+    from tpudiag.plugins import CaptureContext
+    from tpudiag.spool import Spool
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = {"s": 0.0}
+    control.set_checker_clock(lambda: clock["s"])
+    try:
+        pulse = PulseRecorder(CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / "spool")))
+        for step in range(4):
+            pulse.step_begin((torch.ones(1),), {})
+            model(torch.randn(3, 4)).sum().backward()
+            if step == 2:
+                clock["s"] += 0.5  # half a second "spent" by the checker, all at once
+            pulse.step_end(opt)
+        pulse.stop()
+    finally:
+        control.set_checker_clock(None)
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "spool" / "pulse")
+    for own, dur, gap in zip(table["own_ns"].to_pylist(), table["dur_ns"].to_pylist(), table["gap_ns"].to_pylist(),
+                             strict=True):  # fmt: skip
+        assert own <= dur + (gap or 0)
+    assert max(table["own_ns"].to_pylist()) < 0.4e9

@@ -129,7 +129,7 @@ class NumericsCollector(StepBoundaries, RunSummary):
             self._step_hook = register_optimizer_step_post_hook(module_calls.skip_in_dynamo(self._on_optimizer_step))
             self._steps.t0 = time.perf_counter()
             self._steps.spent0 = self._mode.budget.spent()
-            control.set_checker_clock(self._mode.budget.spent)
+            control.set_checker_clock(self._mode.budget.own_s)
             self._attach()
             self._progress = threading.Thread(target=self._progress_loop, name="tpudiag-numerics", daemon=True)
             self._progress.start()

@@ -132,6 +132,11 @@ class Budget:
         """Extra seconds so far: the mode's own time, the hidden per-op entry cost, and measured corrections."""
         return self.extra_s + self.per_op_overhead_s * self.ops_seen + self.correction_s
 
+    def own_s(self) -> float:
+        """The mode's own seconds as they were spent (``spent`` without ``correction_s``: a correction is learnt at
+        a watched stretch's end about the steps before, and would land on the step that happens to be running)."""
+        return self.extra_s + self.per_op_overhead_s * self.ops_seen
+
     def allowance(self, elapsed_s: float) -> float:
         """Extra seconds allowed after ``elapsed_s`` seconds of wall time (PCT% of the script's own part)."""
         if self.pct is None:
