@@ -155,7 +155,7 @@ class PulseRecorder:
                 self.nonfinite_steps += 1
                 fired.append(("nonfinite", f"a non-finite gradient at step {pending[0]}"))
         if self._stride.due(step, end / 1e9):
-            self._start_check(optimizer, step)
+            self._start_check(optimizer)
         compiles = control.compile_counts()
         c0, r0, g0 = self._compiles
         self._compiles = compiles
@@ -202,7 +202,7 @@ class PulseRecorder:
             self._wake.set()
 
     # -- non-finite gradients, read a step late ---------------------------------------------------------------
-    def _start_check(self, optimizer: Any, step: int) -> None:
+    def _start_check(self, optimizer: Any) -> None:
         import torch
 
         try:

@@ -328,7 +328,9 @@ def test_timeline_page_shows_the_pulse_and_windows(tmp_path: Path, monkeypatch: 
     assert "slow_step" in str(at.dataframe[0].value)
 
 
-def test_pulse_sees_a_non_finite_gradient_a_step_later_and_records_every_step(tmp_path: Path) -> None:
+def _pulse_loop(tmp_path: Path, steps: int, nan: Any, step_s: float = 0.0) -> dict[str, int]:
+    """A real PulseRecorder over ``steps`` SGD steps of a small model, the loss NaN where ``nan(step)``; each step
+    ``step_s`` long at least.  The first step each trigger reason fired at; the pulse spooled under tmp_path."""
     import torch
 
     from tpudiag.collectors.pulse import PulseRecorder
@@ -337,20 +339,26 @@ def test_pulse_sees_a_non_finite_gradient_a_step_later_and_records_every_step(tm
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ctx = CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / "spool"))
-    pulse = PulseRecorder(ctx)
+    pulse = PulseRecorder(CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / "spool")))
     fired_at: dict[str, int] = {}
     x = torch.randn(3, 4)
-    for step in range(6):
+    for step in range(steps):
         pulse.step_begin((x,), {})
         opt.zero_grad()
-        scale = float("nan") if step == 3 else 1.0
+        scale = float("nan") if nan(step) else 1.0
         (model(x).sum() * scale).backward()
         opt.step()
+        if step_s:
+            time.sleep(step_s)
         _, fired = pulse.step_end(opt)
         for reason, _detail in fired:
             fired_at.setdefault(reason, step)
     pulse.stop()
+    return fired_at
+
+
+def test_pulse_sees_a_non_finite_gradient_a_step_later_and_records_every_step(tmp_path: Path) -> None:
+    fired_at = _pulse_loop(tmp_path, 6, lambda step: step == 3)
     assert fired_at.get("nonfinite") == 4  # step 3's gradient, read at step 4's end: no sync in step 3
     import pyarrow.parquet as pq
 
@@ -399,29 +407,9 @@ def test_thinned_readings_every_step_first_then_one_per_interval() -> None:
 
 
 def test_pulse_thins_its_gradient_check_on_fast_steps_and_still_finds_a_lasting_nan(tmp_path: Path) -> None:
-    import torch
-
-    from tpudiag.collectors.pulse import PulseRecorder
-    from tpudiag.plugins import CaptureContext
-    from tpudiag.spool import Spool
-
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ctx = CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / "spool"))
-    pulse = PulseRecorder(ctx)
-    fired_at: dict[str, int] = {}
-    x = torch.randn(3, 4)
-    for step in range(60):
-        pulse.step_begin((x,), {})
-        opt.zero_grad()
-        scale = float("nan") if step >= 40 else 1.0  # a NaN that lasts, as one that reached the weights does
-        (model(x).sum() * scale).backward()
-        opt.step()
-        time.sleep(0.003)  # ~3 ms steps: a check about every 4th step after the first steps
-        _, fired = pulse.step_end(opt)
-        for reason, _detail in fired:
-            fired_at.setdefault(reason, step)
-    pulse.stop()
+    # A NaN that lasts (as one that reached the weights does); ~3 ms steps: a check about every 4th step after the
+    # first steps.
+    fired_at = _pulse_loop(tmp_path, 60, lambda step: step >= 40, step_s=0.003)
     import pyarrow.parquet as pq
 
     table = pq.read_table(tmp_path / "spool" / "pulse")

@@ -155,10 +155,8 @@ class NumericsMode(UncheckedCalls, OutputJudge, OracleRuns, TorchDispatchMode): 
     def _after(
         self, func: Any, p: _Pending, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, op_s: float
     ) -> None:
-        if p.reason is None and p.signature is not None:
-            sampled_as = p.signature if len(p.signature) <= 9 else p.signature[:9]
-            if self.sampler.too_late(sampled_as, op_s):
-                p.reason = "budget"
+        if p.reason is None and p.signature is not None and self.sampler.too_late(_sampled_as(p.signature), op_s):
+            p.reason = "budget"
         if p.reason is not None:
             self._unchecked(func, p.plan, p.seq, p.module, p.phase, p.reason, args, kwargs, out, p.tensors, p.signature)
             # The mode's own time on this call (everything but the op itself) counts against --budget.
@@ -195,8 +193,7 @@ class NumericsMode(UncheckedCalls, OutputJudge, OracleRuns, TorchDispatchMode): 
         if problem is not None:
             return problem, None
         signature = (func, *[(t.shape, t.dtype) for t in tensors])
-        # Sampling keys on the first 8 tensor inputs (ops taking tensor lists would make every call new).
-        sampled_as = signature if len(signature) <= 9 else signature[:9]
+        sampled_as = _sampled_as(signature)
         if not self.sampler.wants(sampled_as):
             return "sampled", signature
         numel = sum(t.numel() for t in tensors)
@@ -237,7 +234,7 @@ class NumericsMode(UncheckedCalls, OutputJudge, OracleRuns, TorchDispatchMode): 
         check_s = self.clock() - t0 - op_s
         self.budget.charge(check_s, plan.name, plan.kind, sum(t.numel() for t in tensors))
         if signature is not None and checked:
-            sampled_as = signature if len(signature) <= 9 else signature[:9]
+            sampled_as = _sampled_as(signature)
             self.sampler.checked[sampled_as] = self.sampler.checked.get(sampled_as, 0) + 1
         divergent = [d for d in diffs if d.role is not None]
         originator = any(d.role == "originator" for d in divergent)
@@ -291,6 +288,12 @@ class NumericsMode(UncheckedCalls, OutputJudge, OracleRuns, TorchDispatchMode): 
                     findings.first = f"{plan.name} seq {seq} ({module or 'no module'})"
                 if self.ctx.on_divergence is not None:
                     self.ctx.on_divergence(record, divergent[0])
+
+
+def _sampled_as(signature: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What sampling keys a call on: the op and its first 8 tensor inputs (ops taking tensor lists would make every
+    call new)."""
+    return signature if len(signature) <= 9 else signature[:9]
 
 
 @dataclass

@@ -263,17 +263,9 @@ class Sampler:
     def too_late(self, signature: tuple[Any, ...], op_s: float) -> bool:
         """After the op ran: whether its admitted check would end past the step's check time, its float64 oracle
         taking at least as long as the op itself took (a lower bound that holds where the estimate was far off:
-        a never-measured 2M-element sort had been admitted at a tenth of its 0.4 s check)."""
-        until = self.check_until
-        if until is None or self._admitted == "all" or time.perf_counter() + op_s <= until:
-            return False
-        if self._admitted == "recheck":
-            self.rechecked.discard(signature)
-            if op_s <= CHECK_STEP_S:
-                self.round_done = False
-        else:
-            self.refused(signature)
-        return True
+        a never-measured 2M-element sort had been admitted at a tenth of its 0.4 s check).  ``in_time`` asked again
+        with the op's own time as the cost (a refusal is handled the same way)."""
+        return not self.in_time(signature, lambda: op_s)
 
     def begin_step(self, boost: bool, recheck: bool, capped: bool = False, now: float | None = None) -> None:
         """The step about to start: ``boost`` checks every call, ``recheck`` re-checks signatures (this round's
