@@ -64,6 +64,7 @@ dist.init_process_group("gloo")
 ident = RankIdentity.from_env()
 assert ident.update_from_process_group()
 print("IDS", ident.device_ids, "REACHED", "torch_tpu._internal.distributed.device_mesh" in sys.modules)
+dist.barrier()  # torch 2.13's gloo aborts ~6% of exits without it (plain runs too)
 dist.destroy_process_group()
 """
 
