@@ -179,6 +179,15 @@ def test_numerics_checking_beside_the_trace_is_not_ranked_as_the_scripts_ops(tmp
             [run["id"]],
         ).fetchall()[0][0]
     assert leaked == 0
+    # The checker's own ops are not recorded at all: its ranges hold its time and nothing beneath them (a window
+    # that checks every op held ten times the script's events, and the host memory they took).
+    with store.reader() as r:
+        under = r.execute(
+            "SELECT count(*) FROM trace_events e JOIN trace_events p ON p.run_id = e.run_id AND p.event_id = "
+            "e.parent_id WHERE e.run_id = ? AND p.name LIKE 'tpudiag::%'",
+            [run["id"]],
+        ).fetchall()[0][0]
+    assert under == 0
     assert {"aten::gelu", "aten::addmm"} <= names
     # An op dispatched through the checker's mode is recorded twice by Kineto (outer call, re-dispatch): it counts
     # once, with the time of the call that did the work. 1 epoch x 2 batches = 2 calls of each layer.

@@ -3,7 +3,6 @@ the ``OpDiff`` row of one output.  A mixin of ``NumericsMode``."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ from tpudiag.model import OpDiff
 from tpudiag.oracle import ops as oracle
 from tpudiag.oracle.copies import Float64Copies
 from tpudiag.oracle.ops import OpPlan
+from tpudiag.tool_range import tool_range
 
 if TYPE_CHECKING:
     from tpudiag.collectors.numerics.context import Context
@@ -158,10 +158,9 @@ TOOL_RANGE = "tpudiag::numerics"
 
 
 def _tool_range() -> Any:
-    """The tool range while a profiler records (a trace is being captured), else nothing to pay for."""
-    if torch._C._autograd._profiler_enabled():
-        return torch.autograd.profiler.record_function(TOOL_RANGE)
-    return contextlib.nullcontext()
+    """The tool range while a profiler records (a trace is being captured), with none of the checker's ops
+    recorded beneath it; else nothing to pay for."""
+    return tool_range(TOOL_RANGE)
 
 
 def _strided(x: Any) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 from tpudiag.distributed.identity import RankIdentity
 from tpudiag.distributed.records import Fingerprint
 from tpudiag.distributed.shards import ShardSpool
+from tpudiag.tool_range import tool_range
 
 WARMUP_STEPS = 10
 EVERY_STEPS = 10
@@ -45,7 +46,7 @@ def fingerprint_tensors(tensors: Iterable[Any]) -> tuple[str, float, int] | None
     if not items:
         return None
     # A ``tpudiag::`` range: the trace marks this work as tpudiag's own, never as the script's ops.
-    with torch.no_grad(), torch.autograd.profiler.record_function("tpudiag::fingerprint"):
+    with torch.no_grad(), tool_range("tpudiag::fingerprint"):
         try:
             sums = torch.stack([t.float().sum() for t in items] + [t.float().abs().sum() for t in items]).cpu()
             values = [float(v) for v in sums.tolist()]

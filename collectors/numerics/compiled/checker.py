@@ -1,7 +1,8 @@
 """Sampled checks of compiled graphs: compiled output vs a float64 replay of the same graph on the same inputs.
 
-At a sampled call (first K calls per graph and input signature, then every EVERY_STEPS-th, within ``--budget``,
-the same options as eager checking) the wrapper clones the graph inputs *before* the compiled call (compiled code
+At a sampled call (first K calls per graph and input signature, then once more in each of the eager schedule's
+periodic re-check steps and at every call of a trigger window's steps, within ``--budget``, the same options as
+eager checking) the wrapper clones the graph inputs *before* the compiled call (compiled code
 may update buffers in place), runs the compiled function as usual, then replays the graph copy twice with the
 user's dispatch modes suspended and the RNG state restored afterwards: on the CPU in float64 (the oracle) and
 eagerly at the device dtype (the reference error).  Each output gets the ``same()``-style verdict
@@ -27,10 +28,11 @@ from tpudiag import console
 from tpudiag.analysis.numerics_metrics import dtype_name
 from tpudiag.analysis.verdict import Verdict, is_divergent
 from tpudiag.collectors.numerics.compiled.intercept import GraphInfo, Interceptor
-from tpudiag.collectors.numerics.sampling import EVERY_STEPS, Budget, Sampler, SamplingOptions
+from tpudiag.collectors.numerics.sampling import CHECK_STEP_S, Budget, Sampler, SamplingOptions
 from tpudiag.model import OpDiff, OpRecord
 from tpudiag.oracle import graph as graph_oracle
 from tpudiag.oracle.outputs import OutputCheck, check_output, floor_check, within_floor
+from tpudiag.tool_range import tool_range
 
 SIZE_CAP = 1 << 26  # input elements of one graph call; larger calls are skipped as "size_cap"
 MAX_LOCALISED = 4  # failing graphs whose inputs are kept for localisation
@@ -48,6 +50,7 @@ class CheckerContext:
     run_dir: Any = None  # Path of the run's artifacts
     note: Callable[[str], None] | None = None
     emulations: tuple[str, ...] = ()  # reduced-precision matmul units the run may use ("bf16", "tf32")
+    schedule: Sampler | None = None  # the eager mode's sampler: its step's flags (window boost, re-check, time)
 
 
 @dataclass
@@ -213,8 +216,15 @@ class CompiledChecker:
         # A static graph's shapes are fixed by its guards; a dynamic one's by its integer (SymInt) inputs.
         ints = tuple(a for a in args if isinstance(a, int))
         signature = ("compiled_graph", g.info.compile_id, ints)
-        wanted = self.sampler.wants(signature) or self.sampler.counts[signature] % EVERY_STEPS == 0
-        if not wanted:
+        sampler = self.sampler
+        schedule = self.ctx.schedule
+        if schedule is not None:
+            # The eager schedule's step decides for the graphs too: a trigger window's step checks every call, a
+            # periodic re-check step (only when its allowance afforded it) each signature once more, and a settled
+            # step's checks stop at its check time.  One allowance for both: the watched step's measured cost.
+            sampler.boost, sampler.recheck = schedule.boost, schedule.recheck
+            sampler.check_until, sampler.rechecked = schedule.check_until, schedule.rechecked
+        if not sampler.wants(signature):
             g.skipped["sampled"] = g.skipped.get("sampled", 0) + 1
             return None
         numel = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
@@ -224,11 +234,22 @@ class CompiledChecker:
         budget = self.ctx.budget
         elapsed = time.perf_counter() - self.ctx.started
         op = f"compiled_graph {g.info.compile_id}"
-        if not budget.allows_check(op, "graph", numel, elapsed, self.sampler.checked.get(signature, 0)):
-            self.sampler.refused(signature)
+        if not budget.allows_check(op, "graph", numel, elapsed, sampler.checked.get(signature, 0)):
+            sampler.refused(signature)
             g.skipped["budget"] = g.skipped.get("budget", 0) + 1
             return None
-        self.sampler.checked[signature] = self.sampler.checked.get(signature, 0) + 1
+        # A replay of the whole graph in float64 is one check: in a settled step it must fit the step's check time
+        # (no stall outside windows), else a later step or a window takes it.  A graph's first calls only need the
+        # replay to fit that time by itself: the step that compiled the graph has usually spent its check time on
+        # the compile, and a graph called once (a recompile's) would never be checked.
+        if sampler.admitted == "first" and sampler.check_until is not None:
+            fits = budget.estimate(op, "graph", numel) <= CHECK_STEP_S
+        else:
+            fits = sampler.in_time(signature, lambda: budget.estimate(op, "graph", numel))
+        if not fits:
+            g.skipped["budget"] = g.skipped.get("budget", 0) + 1
+            return None
+        sampler.checked[signature] = sampler.checked.get(signature, 0) + 1
         return {"numel": numel, "op": op}
 
     # -- one checked call -------------------------------------------------------------------------------------
@@ -260,8 +281,8 @@ class CompiledChecker:
             self._on_error("backward", e)
             g.skipped_bw["tpudiag_error"] = g.skipped_bw.get("tpudiag_error", 0) + 1
         try:
-            # Labelled, so a profiler trace shows the checker's replays as tpudiag's work, not the script's.
-            with torch.profiler.record_function("tpudiag::compiled_check"):
+            # Labelled, so a profiler trace shows the checker's replays as tpudiag's work (one range, not its ops).
+            with tool_range("tpudiag::compiled_check"):
                 self._check(g, snapshot, out, plan, backward)
         except Exception as e:
             self._on_error("check", e)
