@@ -225,3 +225,82 @@ def test_users_tensors_and_results_are_bitwise_unchanged_by_the_checker() -> Non
             assert torch.equal(p, c), key  # bitwise (torch.equal is exact)
     assert torch.equal(plain["buf"], checked["buf"])
     assert not [d for d in diffs if d.verdict in ("fail", "overflow")]
+
+
+def test_a_checked_ops_tensors_are_freed_when_the_script_drops_them_not_at_the_next_garbage_collection() -> None:
+    """The checker keeps no reference cycle to an op's arguments or outputs: on a device a tensor kept alive past
+    its last use is device memory the plain script would not hold."""
+    import gc
+    import weakref
+
+    x = torch.randn(1000)
+    recorder = Recorder("t", None)
+    mode = NumericsMode(Context(run_id="t"), SamplingOptions(mode="all"), recorder)
+    gc.disable()
+    try:
+        with mode:
+            values, indices = torch.sort(x)
+            y = torch.tanh(values)
+        refs = [weakref.ref(t) for t in (values, indices, y)]
+        del values, indices, y
+        alive = [r() is not None for r in refs]
+    finally:
+        gc.enable()
+    assert alive == [False, False, False]
+    assert [o.checked for o in recorder.drain(final=True)[0] if o.op in ("aten::sort", "aten::tanh")] == [True, True]
+
+
+def test_the_heap_is_trimmed_after_checking_a_large_op_and_not_after_small_ones(monkeypatch: Any) -> None:
+    """A float64 replay of a large op frees its temporaries into glibc's heap, which kept them (a trace window
+    checking 2M-element sorts held +430 MB until it closed): the checker hands them back after such an op."""
+    from tpudiag.collectors.numerics import mode as mode_module
+    from tpudiag.longrun import heap
+
+    calls: list[str] = []
+    real = heap.release
+
+    def spy(min_interval_s: float = 0.0, caller: str = "") -> bool:
+        calls.append(caller)
+        return real(min_interval_s, caller)
+
+    monkeypatch.setattr(heap, "release", spy)
+    run(lambda: [torch.tanh(torch.ones(8)) for _ in range(3)])
+    assert "large check" not in calls
+    run(lambda: torch.sort(torch.randn(mode_module.TRIM_AFTER_NUMEL)))
+    assert calls.count("large check") == 1
+
+
+def test_checking_a_training_step_leaves_no_garbage_cycles() -> None:
+    """Every object the checker makes for a step is freed by reference counting: nothing (tensors least of all)
+    waits for the cyclic garbage collector."""
+    import gc
+
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 16)
+    recorder = Recorder("t", None)
+    mode = NumericsMode(Context(run_id="t"), SamplingOptions(mode="all"), recorder)
+
+    def step() -> None:
+        with mode:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    step()  # first calls: caches, lazy imports
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        step()
+        step()
+        gc.collect()
+        garbage = [type(o).__name__ for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert garbage == []
+    assert sum(o.checked for o in recorder.drain(final=True)[0]) > 20

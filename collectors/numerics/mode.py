@@ -33,6 +33,7 @@ from tpudiag.collectors.numerics.records import Recorder
 from tpudiag.collectors.numerics.sampling import Budget, Sampler, SamplingOptions, module_matches, op_matches
 from tpudiag.collectors.numerics.shadow import ShadowStream
 from tpudiag.collectors.numerics.unchecked import UncheckedCalls
+from tpudiag.longrun import heap
 from tpudiag.model import OpRecord
 from tpudiag.oracle import ops as oracle
 from tpudiag.oracle.copies import Float64Copies
@@ -41,6 +42,11 @@ from tpudiag.oracle.ops import OpPlan
 __all__ = ["Context", "NumericsMode"]
 
 _MAX_DESCRIPTIONS = 1 << 16
+# After checking an op this large (its tensors' elements), the float64 replay's temporaries are handed back to the
+# system (glibc kept them: a trace window checking 2M-element sorts step after step held +430 MB until its close;
+# a trim costs 2-10 ms after such a check, a few percent of it, and at most one every TRIM_INTERVAL_S).
+TRIM_AFTER_NUMEL = 1 << 20
+TRIM_INTERVAL_S = 0.5
 
 
 class NumericsMode(UncheckedCalls, OutputJudge, OracleRuns, TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -232,7 +238,10 @@ class NumericsMode(UncheckedCalls, OutputJudge, OracleRuns, TorchDispatchMode): 
             checked, skip_reason = False, failed.reason
             diffs = []
         check_s = self.clock() - t0 - op_s
-        self.budget.charge(check_s, plan.name, plan.kind, sum(t.numel() for t in tensors))
+        numel = sum(t.numel() for t in tensors)
+        self.budget.charge(check_s, plan.name, plan.kind, numel)
+        if numel >= TRIM_AFTER_NUMEL:
+            heap.release(min_interval_s=TRIM_INTERVAL_S, caller="large check")
         if signature is not None and checked:
             sampled_as = _sampled_as(signature)
             self.sampler.checked[sampled_as] = self.sampler.checked.get(sampled_as, 0) + 1

@@ -71,7 +71,7 @@ class StepBoundaries:
         for the whole run."""
         if self._leave_mode() and len(self._mode.copies):
             self._mode.copies.clear()
-            heap.release(min_interval_s=HEAP_RELEASE_S)
+            heap.release(min_interval_s=HEAP_RELEASE_S, caller="detach")
         if not self._entered and self._hooks_on:
             assert self._tracker is not None and self._backward is not None
             self._tracker.remove()
@@ -200,7 +200,11 @@ class StepBoundaries:
         st.background_step = periodic
         st.boost_step = boost and not periodic
         # Held to CHECK_STEP_S a step only past the first trace window's steps: a short script is checked as before.
-        mode.sampler.begin_step(boost, periodic, capped=st.schedule.settled and st.step >= FIRST_STEPS)
+        # Boost and re-check only for a step that is watched: the compiled-region checker reads the same flags, and
+        # would otherwise replay every compiled graph in a step its allowance refused.
+        mode.sampler.begin_step(
+            boost and affordable, periodic and affordable, capped=st.schedule.settled and st.step >= FIRST_STEPS
+        )
         st.watching = want and affordable
         st.reason = "steady_state" if not want else "budget"
         st.partial = False

@@ -17,7 +17,7 @@ from typing import Any
 
 _trim: Any = None
 _looked = False
-_last = 0.0
+_last: dict[str, float] = {}  # the last trim of each caller
 
 
 def _load() -> Any:
@@ -34,16 +34,16 @@ def _load() -> Any:
     return _trim
 
 
-def release(min_interval_s: float = 0.0) -> bool:
-    """Trim the heap now (at most once every ``min_interval_s``); False where there is nothing to call."""
-    global _last
+def release(min_interval_s: float = 0.0, caller: str = "") -> bool:
+    """Trim the heap now (at most once every ``min_interval_s`` for this ``caller``); False where there is nothing
+    to call."""
     fn = _load()
     if fn is None:
         return False
     now = time.monotonic()
-    if min_interval_s and now - _last < min_interval_s:
+    if min_interval_s and now - _last.get(caller, -min_interval_s) < min_interval_s:
         return False
-    _last = now
+    _last[caller] = now
     try:
         fn(0)
     except Exception:  # a libc without it after all: never the script's problem

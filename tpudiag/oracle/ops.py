@@ -155,19 +155,22 @@ def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
 
 
 def tree_flatten(obj: Any) -> tuple[list[Any], None]:
-    out: list[Any] = []
+    """The leaves of nested tuples, lists and dicts, in order.
 
-    def walk(x: Any) -> None:
+    A loop, not a recursive inner function: such a function sits in a reference cycle with its own closure, so each
+    call's list (an op's arguments and outputs) lived until the cyclic garbage collector ran, keeping the script's
+    tensors alive past their last use (+90 MB a checked 2M-element sort, host or device memory alike).
+    """
+    out: list[Any] = []
+    stack: list[Any] = [obj]
+    while stack:
+        x = stack.pop()
         if isinstance(x, (tuple, list)):
-            for y in x:
-                walk(y)
+            stack.extend(reversed(x))
         elif isinstance(x, dict):
-            for y in x.values():
-                walk(y)
+            stack.extend(reversed(list(x.values())))
         else:
             out.append(x)
-
-    walk(obj)
     return out, None
 
 
