@@ -98,6 +98,7 @@ class PulseRecorder:
         self._own = 0
         self._compiles = control.compile_counts()
         self._checker_s = control.checker_seconds()  # the numerics checker's own seconds at the last step's end
+        self._background_ns = control.background_ns()  # tpudiag's background threads' work, likewise
         self._pending: list[Any] | None = None  # the last step's record, waiting for its non-finite figure
         self._check: Any = None  # (tensor, event or None) of the last step's gradient check
         self._small: dict[int, Any] = {}  # optimizer id -> the parameter whose gradient is summed every step
@@ -169,12 +170,19 @@ class PulseRecorder:
         checker = control.checker_seconds()
         checker_ns = max(int((checker - self._checker_s) * 1e9), 0)
         self._checker_s = checker
+        # So is what tpudiag's background threads did meanwhile (the script's thread waited on their GIL).
+        background = control.background_ns()
+        background_ns, self._background_ns = background - self._background_ns, background
         # A step's period (the gap before it, where data loading waits, and the step itself) is what slows a job.
         # Steps inside a window (and the one that closes it) pay for the profiler and the checker: not a signal.
-        period = max(dur + (gap or 0) - checker_ns, 0)
-        # A step that compiled is slow for that reason: its recompile or graph break window says so.
+        period = max(dur + (gap or 0) - checker_ns - background_ns, 0)
+        # A step that compiled is slow for that reason: its recompile or graph break window says so.  A step the
+        # checker watched is not judged at all: the checker's clock holds its checks, not the dispatch of every op
+        # through its mode, so such a step still read 4-5x the median (every periodic re-check step on the bench
+        # loop), and its outlier let the next jitter step fire as a repeat: slow_step windows of tpudiag's making.
         self.slow_ratio = None
-        if self.window_id is None and self.slow.fires(period / 1e9) and median and not fired:
+        judged = self.window_id is None and checker_ns == 0
+        if judged and self.slow.fires(period / 1e9) and median and not fired:
             self.slow_ratio = period / 1e9 / median
             fired.append(
                 (
@@ -263,10 +271,17 @@ class PulseRecorder:
 
     # -- spooling (writer thread) -------------------------------------------------------------------------------
     def _write_loop(self) -> None:
+        # What a write needs is imported now, at the capture's start: the first write's imports (pyarrow and the
+        # schema, ~0.3 s) held the GIL mid-run, and the script's steps waited (45 ms steps on the bench loop).
+        with contextlib.suppress(Exception):
+            import pyarrow.parquet  # noqa: F401  (the spool's writer)
+
+            self._table([])
         while not self._stopping:
             self._wake.wait(WRITE_EVERY_S)
             self._wake.clear()
-            self.write()
+            with control.background_work():  # its GIL is not the script's slowness (``step_end``)
+                self.write()
 
     def write(self) -> None:
         with self._lock:
@@ -285,7 +300,9 @@ class PulseRecorder:
 
         from tpudiag.model import PulseStep, arrow_schema
 
-        cols: dict[str, list[Any]] = {name: [row[i] for row in batch] for i, name in enumerate(COLUMNS)}
+        # Transposed in C (``zip``): the writer holds the GIL as briefly as it can, the script's steps wait on it.
+        columns = list(zip(*batch, strict=True)) if batch else [()] * len(COLUMNS)
+        cols: dict[str, Any] = dict(zip(COLUMNS, columns, strict=True))
         cols["figures"] = [json.dumps(f) if f else None for f in cols["figures"]]
         cols["run_id"] = [self._ctx.run_id] * len(batch)
         cols["rank"] = [self.rank] * len(batch)

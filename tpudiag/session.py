@@ -95,12 +95,15 @@ class _Flusher(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
+        from tpudiag.longrun import control
+
         while not self._stop_event.wait(self._interval):
-            for part in self._parts():
+            with control.background_work():  # the pulse does not judge the script's steps by the GIL it holds
+                for part in self._parts():
+                    with contextlib.suppress(Exception):
+                        part.flush()
                 with contextlib.suppress(Exception):
-                    part.flush()
-            with contextlib.suppress(Exception):
-                self._sink.flush()
+                    self._sink.flush()
 
     def stop(self) -> None:
         self._stop_event.set()
