@@ -66,7 +66,15 @@ def _run(mode: str, work: Path, seconds: float, n: int) -> dict[str, Any]:
         reasons: dict[str, int] = {}
         for w in windows:
             reasons[w["reason"]] = reasons.get(w["reason"], 0) + 1
+        import duckdb
+
+        with duckdb.connect(str(db), read_only=True) as con:  # where tpudiag's longest own times outside windows were
+            top = con.execute(
+                "SELECT step, round(own_ns / 1e6, 1), round(dur_ns / 1e6, 1) FROM pulse WHERE window_id IS NULL "
+                "ORDER BY own_ns DESC LIMIT 5"
+            ).fetchall()
         out.update(
+            tpudiag_top_outside_windows=[{"step": s, "own_ms": o, "step_ms": d} for s, o, d in top],
             pulse_steps=pulse.get("steps"),
             tpudiag_max_outside_windows_s=pulse.get("tpudiag_max_outside_windows_s"),
             step_time_p50_s=pulse.get("step_time_p50_s"),
@@ -130,6 +138,7 @@ def main() -> dict[str, object]:
         "rss_slope_second_half_mb_per_min": {m: _slope(rs[-1]["rss_samples"]) for m, rs in results.items()},
         "longest_step_s": {m: round(max(r["longest_step_s"] for r in rs), 4) for m, rs in results.items()},
         "capture_tpudiag_max_outside_windows_s": cap["tpudiag_max_outside_windows_s"],
+        "capture_tpudiag_top_outside_windows": cap["tpudiag_top_outside_windows"],
         "capture_pulse_covers_every_step": cap["pulse_steps"] == cap["steps"],
         "capture_windows": cap["windows"],
         "capture_disk_mb": cap["disk_mb"],

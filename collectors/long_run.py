@@ -120,6 +120,7 @@ class LongRunMixin:
             self._open_window()
         # The step that closes a window pays for its export: it is counted as part of that window.
         pulse.window_id = plan.open.window_id if plan.open is not None else closing
+        control.set_window_open(pulse.window_id is not None)
         pulse.add_own(time.perf_counter_ns() - t0)
 
     def _open_window(self) -> None:

@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any
 
 from tpudiag import internal_errors, runner
-from tpudiag.longrun import triggers
+from tpudiag.longrun import control, triggers
 from tpudiag.longrun.growth import GrowthWatch
 from tpudiag.longrun.stride import Stride
 from tpudiag.plugins import CaptureContext
@@ -259,11 +259,9 @@ class MemoryCollector:
         if live is not None and self._steps >= triggers.WARMUP_STEPS:  # as every trigger: after warm-up
             if self._growth.seen == 0:
                 self._span_from = self._steps
-            low = self._growth.see(live)
+            low = self._growth.see(live, in_window=control.window_open())
             floor = self._growth.floor
             if low is not None and floor:
-                from tpudiag.longrun import control
-
                 detail = f"live memory at least {low / 2**20:.0f} MiB over steps {self._span_from}-{self._steps}"
                 detail += f", {low / floor:.2f}x its floor of {floor / 2**20:.0f} MiB after warm-up"
                 if control.request("memory", numerics=False, detail=detail):

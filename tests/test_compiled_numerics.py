@@ -27,7 +27,7 @@ from tpudiag import numerics_report  # noqa: E402
 from tpudiag.collectors.numerics.compiled import intercept  # noqa: E402
 from tpudiag.collectors.numerics.compiled.checker import CheckerContext, CompiledChecker  # noqa: E402
 from tpudiag.collectors.numerics.records import Recorder  # noqa: E402
-from tpudiag.collectors.numerics.sampling import Budget, SamplingOptions  # noqa: E402
+from tpudiag.collectors.numerics.sampling import Budget, Sampler, SamplingOptions  # noqa: E402
 from tpudiag.model import OpDiff, OpRecord  # noqa: E402
 from tpudiag.oracle import graph as graph_oracle  # noqa: E402
 from tpudiag.store import Store  # noqa: E402
@@ -547,3 +547,93 @@ def test_perfetto_export_puts_the_graph_verdict_on_the_compiled_region_span(tmp_
     assert spans["Torch-Compiled Region: 0/0"]["args"]["numerics_verdict"] == "fail"
     # The node's verdict is not spread onto eager aten::tanh events of the same module.
     assert "numerics_verdict" not in spans["aten::tanh"]["args"]
+
+
+def _checks_in_a_long_loop(tmp_path: Path, steps: int, **flags: Any) -> tuple[int, int]:
+    """Checked and budget-refused calls of the compiled graphs over ``steps`` training steps, with the eager
+    schedule's step flags (``boost``, ``recheck``, ``check_until``) held as given for every step."""
+    checker, _recorder = _new_checker(tmp_path)
+    schedule = Sampler(SamplingOptions())
+    for key, value in flags.items():
+        setattr(schedule, key, value)
+    checker.ctx.schedule = schedule
+    checker.start()
+    try:
+        _train("aot_eager", steps=steps)
+    finally:
+        checker.stop()
+    return sum(g.checks for g in checker.graphs), sum(g.skipped.get("budget", 0) for g in checker.graphs)
+
+
+def test_compiled_graphs_follow_the_eager_schedules_steps_past_their_first_calls(tmp_path: Path) -> None:
+    """Past its first calls a compiled graph is checked again only as the eager schedule's step says: once per
+    periodic re-check step (a fault that starts late is found), at every call of a trigger window's step.  It had
+    been replayed in float64 at every 50th call, outside any allowance, however long a replay of the whole graph
+    took (issue 21)."""
+    steps = 60
+    plain, _ = _checks_in_a_long_loop(tmp_path, steps)
+    recheck, _ = _checks_in_a_long_loop(tmp_path, steps, recheck=True)
+    window, _ = _checks_in_a_long_loop(tmp_path, steps, boost=True)
+    first_k = SamplingOptions().first_k
+    graphs = plain // first_k
+    assert graphs >= 1 and plain == graphs * first_k  # the first calls only
+    assert recheck == plain + graphs  # each signature once more in the round
+    assert window >= graphs * steps  # every call
+
+
+def test_a_compiled_graph_too_slow_to_replay_in_a_steps_check_time_waits_for_a_window(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    from tpudiag.collectors.numerics.sampling import CHECK_STEP_S, Budget
+
+    free, _ = _checks_in_a_long_loop(tmp_path, 20, recheck=True, check_until=time.perf_counter() + 3600)
+    monkeypatch.setattr(Budget, "estimate", lambda self, op, kind, numel: 3600 + 2 * CHECK_STEP_S)
+    slow, refused = _checks_in_a_long_loop(tmp_path, 20, recheck=True, check_until=time.perf_counter() + 3600)
+    assert refused >= 2 and slow < free
+    window, _ = _checks_in_a_long_loop(tmp_path, 20, boost=True, check_until=time.perf_counter() + 3600)
+    assert window > free  # a window's steps are not held to the check time
+
+
+def test_a_periodic_step_the_allowance_refused_checks_no_compiled_graph(tmp_path: Path, monkeypatch: Any) -> None:
+    """End to end (the numerics collector's schedule and the compiled checker): a periodic step the background
+    allowance refused re-checks no compiled graph; one it afforded does."""
+    import tpudiag
+    from tpudiag.collectors.numerics.sampling import EVERY_STEPS, Background
+
+    def checked_calls(afford: bool) -> list[int]:
+        monkeypatch.setattr(Background, "affords", lambda self, cost_s, now_s: afford)
+        checked: list[int] = []
+        original = CompiledChecker._checked_call
+
+        def counting(self: CompiledChecker, g: Any, compiled: Any, args: Any, plan: Any) -> Any:
+            checked.append(g.calls)
+            return original(self, g, compiled, args, plan)
+
+        monkeypatch.setattr(CompiledChecker, "_checked_call", counting)
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        static = torch.compile(lambda t: t * 2 + 1, backend="eager", dynamic=False)
+        with tpudiag.capture(db=tmp_path / f"r{afford}.duckdb", collect="numerics"):
+            for _ in range(3 * EVERY_STEPS + 5):
+                opt.zero_grad()
+                model(torch.randn(4, 8)).square().mean().backward()
+                opt.step()
+                static(torch.ones(4, 2))
+        monkeypatch.setattr(CompiledChecker, "_checked_call", original)
+        return checked
+
+    first_k = SamplingOptions().first_k
+    refused = checked_calls(False)
+    assert refused and max(refused) <= first_k, refused  # the first calls only
+    afforded = checked_calls(True)
+    assert max(afforded) > 2 * EVERY_STEPS, afforded  # re-checked in the periodic steps
+
+
+def test_a_graphs_first_calls_are_checked_after_its_compile_used_the_steps_check_time(tmp_path: Path) -> None:
+    """The step that compiles a graph (a recompile's, called once) spends its check time on the compile: a first
+    call is checked when its replay alone fits the step's check time; a re-check waits for a later step."""
+    plain, _ = _checks_in_a_long_loop(tmp_path, 20)
+    late, refused = _checks_in_a_long_loop(tmp_path, 20, recheck=True, check_until=time.perf_counter() - 1.0)
+    assert late == plain and refused >= 1  # every first call checked, the re-checks held

@@ -242,6 +242,11 @@ class Sampler:
             return True
         return False
 
+    @property
+    def admitted(self) -> str:
+        """Why the last call ``wants`` admitted was sampled: "first", "recheck" or "all"."""
+        return self._admitted
+
     def in_time(self, signature: tuple[Any, ...], cost_s: Callable[[], float]) -> bool:
         """Whether the call ``wants`` just admitted can be checked before the step's check time runs out."""
         until = self.check_until

@@ -31,6 +31,7 @@ def start(ctx: Any, options: Any, mode: Any, recorder: Any, device_kind: str) ->
                 run_dir=ctx.run_dir,
                 note=ctx.note,
                 emulations=tuple(getattr(getattr(mode, "ctx", None), "emulations", ()) or ()),
+                schedule=getattr(mode, "sampler", None),
             )
         )
         checker.start()
