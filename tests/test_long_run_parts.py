@@ -392,6 +392,61 @@ def test_memory_growth_is_judged_on_a_spans_low_so_transient_peaks_never_ask_for
     assert asked[0] < 360 and len(asked) <= 2, asked
 
 
+def test_memory_a_trace_window_leaves_behind_is_not_the_scripts_growth_a_later_leak_is() -> None:
+    """Seen on the bench loop: a window with every op checked left the host RSS ~90 MB higher for good, and the
+    growth watch opened a ``memory`` window for it (a false alarm)."""
+    from tpudiag.longrun.growth import GrowthWatch
+
+    mib = 1 << 20
+
+    def asked_at(leak_from: int | None) -> list[int]:
+        watch = GrowthWatch(span=16)
+        asked = []
+        for step in range(600):
+            window = 200 <= step < 205
+            live = 400 * mib + (150 * mib if window else 0) + (120 * mib if step >= 205 else 0)  # +120 MiB kept
+            if leak_from is not None and step >= leak_from:
+                live += (step - leak_from) * 4 * mib
+            low = watch.see(live, in_window=window)
+            if low is not None:
+                asked.append(step)
+                watch.granted(low)
+        return asked
+
+    assert asked_at(None) == []
+    leak = asked_at(400)
+    assert leak and leak[0] >= 400 and leak[0] < 480, leak  # a later leak of the script's is still found
+
+
+def test_memory_a_leak_that_keeps_opening_windows_is_still_found() -> None:
+    """Seen in CI: a leak of 8 MiB a step slowed the steps, ``slow_step`` windows opened 5 steps into it and again
+    37 steps later, and the growth across each window was taken for the window's own: no ``memory`` window."""
+    from tpudiag.longrun.growth import GrowthWatch
+
+    mib = 1 << 20
+
+    def asked_at(leak_from: int | None, left_by_window: int) -> list[int]:
+        watch = GrowthWatch(span=16)
+        asked, kept = [], 0
+        for step in range(20, 200):
+            window = step >= 133 and (step - 133) % 37 < 5  # a window every 37 steps from step 133
+            if window and (step - 133) % 37 == 4:
+                kept += left_by_window  # each window leaves some memory of its own behind
+            live = 400 * mib + kept + (60 * mib if window else 0)
+            if leak_from is not None and step >= leak_from:
+                live += (step - leak_from) * 8 * mib
+            low = watch.see(live, in_window=window)
+            if low is not None:
+                asked.append(step)
+                watch.granted(low)
+        return asked
+
+    assert asked_at(None, 90 * mib) == []  # the windows' leftovers alone: no alarm
+    leak = asked_at(130, 90 * mib)
+    assert leak and 133 < leak[0] < 175, leak  # before the second window closes
+    assert asked_at(130, 0)
+
+
 def test_thinned_readings_every_step_first_then_one_per_interval() -> None:
     from tpudiag.longrun.stride import Stride
 
@@ -499,3 +554,91 @@ def test_the_pulse_never_counts_more_own_time_than_the_step_took(tmp_path: Path)
                              strict=True):  # fmt: skip
         assert own <= dur + (gap or 0)
     assert max(table["own_ns"].to_pylist()) < 0.4e9
+
+
+def test_a_step_the_checker_watched_is_never_judged_slow(tmp_path: Path) -> None:
+    """A watched step is slower by the dispatch of every op through the mode, more than the checker's clock holds:
+    judged, it read as an outlier of the script's and let the next jitter step fire a slow_step window."""
+    import time
+
+    import torch
+
+    from tpudiag.collectors.pulse import PulseRecorder
+    from tpudiag.plugins import CaptureContext
+    from tpudiag.spool import Spool
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = {"s": 0.0}
+    control.set_checker_clock(lambda: clock["s"])
+    fired: list[int] = []
+    try:
+        pulse = PulseRecorder(CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / "spool")))
+        pulse.slow.factor = 4.0
+        for step in range(triggers.WARMUP_STEPS + 40):
+            pulse.step_begin((torch.ones(1),), {})
+            model(torch.randn(3, 4)).sum().backward()
+            if step >= triggers.WARMUP_STEPS and step % 5 == 0:
+                time.sleep(0.03)  # a watched step: far slower than its median...
+                clock["s"] += 0.001  # ... of which the checker's clock holds only a little
+            pulse.step_end(opt)
+            if pulse.slow_ratio is not None:
+                fired.append(step)
+        pulse.stop()
+    finally:
+        control.set_checker_clock(None)
+    assert fired == []
+    assert pulse.slow._last_slow is None  # not even counted as an outlier
+
+
+def test_a_step_stalled_by_tpudiags_background_threads_is_judged_without_the_stall(tmp_path: Path) -> None:
+    """The collectors' flusher and the pulse writer hold the GIL for milliseconds: the script's steps that waited
+    on them are not its slowness.  The same stall with no background work fires slow_step."""
+    import threading
+    import time
+
+    import torch
+
+    from tpudiag.collectors.pulse import PulseRecorder
+    from tpudiag.plugins import CaptureContext
+    from tpudiag.spool import Spool
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def stalled(step: int) -> bool:
+        return step >= triggers.WARMUP_STEPS and step % 10 in (0, 1)  # two 100 ms stalls in a row: a repeat
+
+    go, done = threading.Event(), threading.Event()
+
+    def flusher() -> None:
+        while go.wait():
+            go.clear()
+            with control.background_work():
+                time.sleep(0.1)  # a flush holding the GIL, as the script's thread sees it
+            done.set()
+
+    threading.Thread(target=flusher, daemon=True).start()
+
+    def run(background: bool) -> list[int]:
+        fired: list[int] = []  # the stalled steps that fired (a loaded host's jitter elsewhere is not this test's)
+        pulse = PulseRecorder(CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / f"s{background}")))
+        pulse.slow.min_extra_s = 0.05  # a loaded host wakes the script's thread some ms late after the flush
+        for step in range(triggers.WARMUP_STEPS + 40):
+            pulse.step_begin((torch.ones(1),), {})
+            model(torch.randn(3, 4)).sum().backward()
+            if stalled(step):
+                if background:
+                    go.set()
+                    done.wait()
+                    done.clear()
+                else:
+                    time.sleep(0.1)
+            pulse.step_end(opt)
+            if pulse.slow_ratio is not None and stalled(step):
+                fired.append(step)
+        pulse.stop()
+        return fired
+
+    assert run(background=True) == []
+    assert run(background=False) != []  # the same stall, the script's own: found
