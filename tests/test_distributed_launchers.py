@@ -136,6 +136,20 @@ def test_accelerate_launch_console_script_records_every_process(tmp_path: Path) 
     assert "did the script run any torch ops" not in captured.stderr
 
 
+def _plain_lines(tmp_path: Path, ranks: int) -> list[str]:
+    """What ``TRAIN`` prints without tpudiag, on this machine, for each of ``ranks`` processes (sorted).
+
+    One plain process is the reference: every rank trains on the same batches and DDP averages identical gradients,
+    so each rank prints the one-process losses.  The last digits depend on the CPU's kernels (CI's machine printed
+    -19.074356 at step 2, this one -19.074354), so no figure is written into the test."""
+    plain = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env={**os.environ, **ENV}, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    losses = [ln.split(" step ", 1)[1] for ln in plain.stdout.splitlines() if ln.startswith("rank 0 of 1 step ")]
+    assert len(losses) == 3, plain.stdout
+    return sorted(f"rank {r} of {ranks} step {loss}" for r in range(ranks) for loss in losses)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_accelerate_launch_single_process_is_captured(tmp_path: Path) -> None:
@@ -146,9 +160,7 @@ def test_accelerate_launch_single_process_is_captured(tmp_path: Path) -> None:
     captured = run_tpudiag("capture", "--db", str(db), "--collect", "trace,numerics", "accelerate", "launch", *flags,
                            "train.py", cwd=tmp_path, env=ENV)  # fmt: skip
     assert captured.returncode == 0, captured.stderr
-    assert [ln for ln in captured.stdout.splitlines() if ln.startswith("rank ")] == [
-        "rank 0 of 1 step 0 loss -1.542439", "rank 0 of 1 step 1 loss -12.949459", "rank 0 of 1 step 2 loss -19.074356"
-    ]  # fmt: skip
+    assert [ln for ln in captured.stdout.splitlines() if ln.startswith("rank ")] == _plain_lines(tmp_path, 1)
     report = _report(db)
     assert [(r["rank"], r["status"], r["steps"]) for r in report["distributed"]["ranks"]] == [(0, "ok", 3)]
     assert report["numerics"]["coverage"]["ops_checked"] > 0
@@ -163,11 +175,7 @@ def test_accelerate_launch_module_records_every_process(tmp_path: Path) -> None:
     captured = run_tpudiag("capture", "--db", str(db), "--collect", "trace", "-m", "accelerate.commands.launch",
                            *ACCELERATE_FLAGS, "train.py", cwd=tmp_path, env=ENV)  # fmt: skip
     assert captured.returncode == 0, captured.stderr
-    assert sorted(ln for ln in captured.stdout.splitlines() if ln.startswith("rank ")) == sorted(
-        f"rank {r} of 2 step {s} loss {loss}"
-        for r in (0, 1)
-        for s, loss in zip(range(3), ("-1.542439", "-12.949459", "-19.074356"), strict=True)
-    )
+    assert sorted(ln for ln in captured.stdout.splitlines() if ln.startswith("rank ")) == _plain_lines(tmp_path, 2)
     _assert_two_rank_run(db)
 
 
