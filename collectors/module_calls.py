@@ -22,7 +22,7 @@ A listener has ``enter(module, args, kwargs) -> token`` and ``exit(module, token
 enter in the order they were added and exit in reverse.
 
 A listener whose ``roots_only`` attribute is true needs only root calls (the outermost module call on a thread: a
-step's start).  While every listener says so, a nested call costs the wrapper a depth count and nothing else (on
+step's start).  While every listener says so, a nested call costs the wrapper a depth check and nothing else (on
 the long-run bench loop the listeners' work on every call of every step was ~4% of the step time); a listener that
 changes its mind calls ``refresh()``.  Calls are entered and exited in pairs whatever changes in between: a call
 entered on the fast path is never exited, and one entered is always exited.
@@ -106,11 +106,9 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     local = _local
     depth = getattr(local, "depth", 0)
     if depth and _roots_only:
-        local.depth = depth + 1
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            local.depth = depth
+        # Nested in an entered call: nothing to enter, and no count either (``depth`` only tells an entered call
+        # is in progress on this thread; the entered call restores it).
+        return original(self, *args, **kwargs)
     tokens = _enter_all(listeners, self, args, kwargs)
     local.depth = depth + 1
     try:
