@@ -1,5 +1,6 @@
 """A long loop of fast steps (issue 21): plain python, the default ``tpudiag capture`` and ``torch.profiler`` with a
-schedule (20 active steps every 3,025), in one run, interleaved (``BENCH_ROUNDS`` rounds, default 1).
+schedule (20 active steps every 3,025), in one run, interleaved (``BENCH_ROUNDS`` rounds, default 1; each round
+starts with the next mode, and ``paired_throughput_vs_plain`` sets each round's runs against its own plain run).
 
 The loop is tests/long_scripts/long_loop.py: a 7-layer MLP (AdamW), fixed wall time (``BENCH_LONG_S`` seconds,
 default 600), a run of planted slow steps at 40% of the run and a recompile at 70%.  Each mode reports the steps it
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,6 +92,11 @@ def _run(mode: str, work: Path, seconds: float, n: int) -> dict[str, Any]:
     return out
 
 
+def _paired(steps: list[int], plain: list[int]) -> dict[str, Any]:
+    ratios = [round(a / b, 3) for a, b in zip(steps, plain, strict=True)]
+    return {"per_round": ratios, "median": round(statistics.median(ratios), 3)}
+
+
 def _slope(samples: list[list[float]]) -> float | None:
     half = samples[len(samples) // 2 :]
     if len(half) < 3:
@@ -108,8 +115,10 @@ def main() -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         n = 0
-        for _ in range(rounds):
-            for mode in ("plain", "capture", "profiler"):
+        modes = ("plain", "capture", "profiler")
+        for r in range(rounds):
+            # Each round starts with the next mode: a machine that drifts one way over the rounds favours none.
+            for mode in modes[r % 3 :] + modes[: r % 3]:
                 results[mode].append(_run(mode, work, seconds, n))
                 n += 1
     plain_steps = max(r["steps"] for r in results["plain"])
@@ -120,6 +129,13 @@ def main() -> dict[str, object]:
         "short_mode": seconds < 600,
         "throughput_vs_plain": {
             m: round(max(r["steps"] for r in rs) / plain_steps, 3) for m, rs in results.items() if m != "plain"
+        },
+        # Each round's capture and profiler against that round's plain run (minutes apart, not tens of minutes):
+        # on a VM whose speed drifts 10-30% over an hour these ratios are the ones to read.
+        "paired_throughput_vs_plain": {
+            m: _paired([r["steps"] for r in rs], [r["steps"] for r in results["plain"]])
+            for m, rs in results.items()
+            if m != "plain"
         },
         "peak_rss_over_plain_mb": {
             m: round(max(r["rss_end_kb"] for r in rs) / 1024 - plain_rss, 1)
