@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -370,22 +371,34 @@ def test_pulse_sees_a_non_finite_gradient_a_step_later_and_records_every_step(tm
     assert rows[0][2] == "[[3, 4]]"
 
 
-def test_memory_growth_is_judged_on_a_spans_low_so_transient_peaks_never_ask_for_a_window() -> None:
+def _growth_asks(readings: Iterable[tuple[int, int, bool]]) -> list[int]:
+    """The steps at which the memory growth watch (16-step spans) asks for a window, each ask granted, over
+    (step, live bytes, whether a trace window covers the step) readings."""
     from tpudiag.longrun.growth import GrowthWatch
 
-    mib = 1 << 20
     watch = GrowthWatch(span=16)
     asked = []
-    for step in range(400):
+    for step, live, window in readings:
+        low = watch.see(live, in_window=window)
+        if low is not None:
+            asked.append(step)
+            watch.granted(low)
+    return asked
+
+
+def test_memory_growth_is_judged_on_a_spans_low_so_transient_peaks_never_ask_for_a_window() -> None:
+    mib = 1 << 20
+
+    def live(step: int) -> int:
         live = 400 * mib
         if step % 50 < 5:
             live += 250 * mib  # a trace window's few steps: a transient peak, every 50 steps
         if step >= 300:
             live += (step - 300) * 4 * mib  # a leak: 4 MiB more held every step
-        low = watch.see(live)
-        if low is not None:
-            asked.append(step)
-            watch.granted(low)
+        return live
+
+    # The peaks are not marked as windows here: the span's low alone keeps them from asking.
+    asked = _growth_asks((step, live(step), False) for step in range(400))
     # Nothing before the leak; the leak asks once it held 100 MiB (1.25 x 400) for a whole span, then again only
     # after as much growth again.
     assert asked and all(s >= 300 for s in asked), asked
@@ -395,23 +408,17 @@ def test_memory_growth_is_judged_on_a_spans_low_so_transient_peaks_never_ask_for
 def test_memory_a_trace_window_leaves_behind_is_not_the_scripts_growth_a_later_leak_is() -> None:
     """Seen on the bench loop: a window with every op checked left the host RSS ~90 MB higher for good, and the
     growth watch opened a ``memory`` window for it (a false alarm)."""
-    from tpudiag.longrun.growth import GrowthWatch
-
     mib = 1 << 20
 
     def asked_at(leak_from: int | None) -> list[int]:
-        watch = GrowthWatch(span=16)
-        asked = []
-        for step in range(600):
+        def reading(step: int) -> tuple[int, int, bool]:
             window = 200 <= step < 205
             live = 400 * mib + (150 * mib if window else 0) + (120 * mib if step >= 205 else 0)  # +120 MiB kept
             if leak_from is not None and step >= leak_from:
                 live += (step - leak_from) * 4 * mib
-            low = watch.see(live, in_window=window)
-            if low is not None:
-                asked.append(step)
-                watch.granted(low)
-        return asked
+            return step, live, window
+
+        return _growth_asks(reading(step) for step in range(600))
 
     assert asked_at(None) == []
     leak = asked_at(400)
@@ -421,25 +428,21 @@ def test_memory_a_trace_window_leaves_behind_is_not_the_scripts_growth_a_later_l
 def test_memory_a_leak_that_keeps_opening_windows_is_still_found() -> None:
     """Seen in CI: a leak of 8 MiB a step slowed the steps, ``slow_step`` windows opened 5 steps into it and again
     37 steps later, and the growth across each window was taken for the window's own: no ``memory`` window."""
-    from tpudiag.longrun.growth import GrowthWatch
-
     mib = 1 << 20
 
     def asked_at(leak_from: int | None, left_by_window: int) -> list[int]:
-        watch = GrowthWatch(span=16)
-        asked, kept = [], 0
-        for step in range(20, 200):
-            window = step >= 133 and (step - 133) % 37 < 5  # a window every 37 steps from step 133
-            if window and (step - 133) % 37 == 4:
-                kept += left_by_window  # each window leaves some memory of its own behind
-            live = 400 * mib + kept + (60 * mib if window else 0)
-            if leak_from is not None and step >= leak_from:
-                live += (step - leak_from) * 8 * mib
-            low = watch.see(live, in_window=window)
-            if low is not None:
-                asked.append(step)
-                watch.granted(low)
-        return asked
+        def readings() -> Iterator[tuple[int, int, bool]]:
+            kept = 0
+            for step in range(20, 200):
+                window = step >= 133 and (step - 133) % 37 < 5  # a window every 37 steps from step 133
+                if window and (step - 133) % 37 == 4:
+                    kept += left_by_window  # each window leaves some memory of its own behind
+                live = 400 * mib + kept + (60 * mib if window else 0)
+                if leak_from is not None and step >= leak_from:
+                    live += (step - leak_from) * 8 * mib
+                yield step, live, window
+
+        return _growth_asks(readings())
 
     assert asked_at(None, 90 * mib) == []  # the windows' leftovers alone: no alarm
     leak = asked_at(130, 90 * mib)
