@@ -38,6 +38,7 @@ from tpudiag.longrun.growth import GrowthWatch
 from tpudiag.longrun.stride import Stride
 from tpudiag.plugins import CaptureContext
 
+LIVE_FIGURES = ("allocated_bytes", "device_used_bytes", "rss_bytes")  # the live bytes: the first one known
 PROBE_FIGURES = ("allocated_bytes", "reserved_bytes", "peak_bytes", "rss_bytes", "device_used_bytes")
 
 OOM_FILE = "oom.json"  # run_dir/memory/oom.json: the OOM record, for the trace window analysis to complete
@@ -117,6 +118,7 @@ class MemoryCollector:
         self._span_from = 0  # the step of the growth span's first reading
         self._unreported: dict[str, Any] | None = None  # the last sample, until the pulse's probe takes it
         self._latest: dict[str, Any] | None = None  # the last sample
+        self._live: int | None = None  # live bytes of the last sample (the growth watch's figure)
         self._sampled_step = -1  # the step of the last reading
         self._stride = Stride()  # one sample a step, thinned on fast steps (tpudiag.longrun.stride)
 
@@ -250,12 +252,9 @@ class MemoryCollector:
         fig, self._unreported = self._unreported, None
         # Growth is judged every step on the latest reading (held between thinned readings, so a span is still 16
         # steps); the record gets figures only from a reading taken since the last one.
-        latest = fig if fig is not None else self._latest
-        live = None
-        if latest is not None:
-            live = next(
-                (latest[k] for k in ("allocated_bytes", "device_used_bytes", "rss_bytes") if latest.get(k)), None
-            )
+        if fig is not None:
+            self._live = next((fig[k] for k in LIVE_FIGURES if fig.get(k)), None)
+        live = self._live
         if live is not None and self._steps >= triggers.WARMUP_STEPS:  # as every trigger: after warm-up
             if self._growth.seen == 0:
                 self._span_from = self._steps

@@ -219,22 +219,29 @@ class PulseRecorder:
                 # as a capture without the pulse would.  The window's steps read None.
                 self._check = None
                 return
-            with torch.no_grad(), _unseen_by_modes(torch):
-                self._checks += 1
-                if self._checks % FULL_EVERY == 0:
+            self._checks += 1
+            if self._checks % FULL_EVERY == 0:
+                with torch.no_grad(), _unseen_by_modes(torch):
                     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
                     if not grads:
                         self._check = None
                         return
                     value = torch.stack([n.float() for n in torch._foreach_norm(grads)]).sum()
+            else:
+                param = self._small_param(optimizer)
+                grad = param.grad if param is not None else None
+                if grad is None:
+                    self._check = None
+                    return
+                if grad.requires_grad:  # a gradient with a graph of its own (create_graph): the check adds none
+                    grad = grad.detach()
+                if torch._C._len_torch_dispatch_stack() == 0:  # most steps: no mode to step below (see above)
+                    value = grad.sum(dtype=torch.float32)
                 else:
-                    param = self._small_param(optimizer)
-                    if param is None or param.grad is None:
-                        self._check = None
-                        return
-                    value = param.grad.sum(dtype=torch.float32)
+                    with _unseen_by_modes(torch):
+                        value = grad.sum(dtype=torch.float32)
             event = None
-            if value.device.type == "cuda":
+            if value.is_cuda:
                 event = torch.cuda.Event()
                 event.record()
             self._check = (value, event)
@@ -258,13 +265,16 @@ class PulseRecorder:
         if check is None:
             return None
         value, event = check
-        device = value.device.type
-        if device == "cpu" or (device == "cuda" and event is not None and event.query()) or final:
+        # On the CPU read now; on CUDA once its event has completed (an event is recorded for every CUDA check);
+        # on other devices (TPU) only at the end.
+        if final or (event.query() if event is not None else value.is_cpu):
             try:
                 import torch
 
+                if torch._C._len_torch_dispatch_stack() == 0:
+                    return not math.isfinite(value.item())
                 with _unseen_by_modes(torch):
-                    return not math.isfinite(float(value))
+                    return not math.isfinite(value.item())
             except Exception:
                 return None
         return None

@@ -167,14 +167,16 @@ def background_work() -> Iterator[None]:
     try:
         yield
     finally:
-        with _bg_lock:
-            _bg_running.pop(key, None)
+        with _bg_lock:  # the total first: a reader that finds no unit running then finds this one counted
             _bg_done_ns += time.perf_counter_ns() - t0
+            _bg_running.pop(key, None)
 
 
 def background_ns() -> int:
     """Nanoseconds tpudiag's background threads have worked so far in this process (a unit in progress counts up
     to now)."""
+    if not _bg_running:  # most steps: no unit in progress, and reading an int is atomic under the GIL (no lock)
+        return _bg_done_ns
     now = time.perf_counter_ns()
     with _bg_lock:
         return _bg_done_ns + sum(now - t0 for t0 in _bg_running.values())
