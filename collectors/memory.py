@@ -117,7 +117,6 @@ class MemoryCollector:
         self._growth = GrowthWatch()  # growth of the live bytes past their post-warm-up floor
         self._span_from = 0  # the step of the growth span's first reading
         self._unreported: dict[str, Any] | None = None  # the last sample, until the pulse's probe takes it
-        self._latest: dict[str, Any] | None = None  # the last sample
         self._live: int | None = None  # live bytes of the last sample (the growth watch's figure)
         self._sampled_step = -1  # the step of the last reading
         self._stride = Stride()  # one sample a step, thinned on fast steps (tpudiag.longrun.stride)
@@ -282,7 +281,7 @@ class MemoryCollector:
         step)."""
         fig: dict[str, Any] = self._sampler.sample()
         self._rows.append((step, time.time_ns(), fig))
-        self._unreported = self._latest = fig
+        self._unreported = fig
         return fig
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:

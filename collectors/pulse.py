@@ -235,11 +235,8 @@ class PulseRecorder:
                     return
                 if grad.requires_grad:  # a gradient with a graph of its own (create_graph): the check adds none
                     grad = grad.detach()
-                if torch._C._len_torch_dispatch_stack() == 0:  # most steps: no mode to step below (see above)
+                with _unseen_by_modes(torch):
                     value = grad.sum(dtype=torch.float32)
-                else:
-                    with _unseen_by_modes(torch):
-                        value = grad.sum(dtype=torch.float32)
             event = None
             if value.is_cuda:
                 event = torch.cuda.Event()
@@ -271,8 +268,6 @@ class PulseRecorder:
             try:
                 import torch
 
-                if torch._C._len_torch_dispatch_stack() == 0:
-                    return not math.isfinite(value.item())
                 with _unseen_by_modes(torch):
                     return not math.isfinite(value.item())
             except Exception:

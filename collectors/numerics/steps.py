@@ -170,13 +170,7 @@ class StepBoundaries:
                 self._replay("budget", seen=mode.step_calls)
             st.watched += 1
         else:
-            st.plain_s = took if st.plain_s is None else min(st.plain_s, took)
-            # Watched steps (after the first) from before any plain step was timed: charge what they really cost.
-            for took_w, spent_w in st.unmeasured:
-                budget.correction_s += max(took_w - st.plain_s - spent_w, 0.0)
-            st.unmeasured.clear()
-            self._replay(st.reason)
-            st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
+            self._unwatched_step_done(st, budget, took)
         for (op, phase), n in mode.spent_calls.items():
             flops = st.profile.get((op, phase), [1, 0.0]) if st.profile else [1, 0.0]
             self._recorder.aggregate(mode.seq, op, phase, None, "budget", flops[1] * n / max(flops[0], 1), None, n)
@@ -215,10 +209,7 @@ class StepBoundaries:
         else:
             self._detach()
             st.watching = self._entered  # a mode of the script's own above ours: keep watching
-        st.signatures0 = len(mode.sampler.counts)
-        st.t0 = time.perf_counter()
-        st.spent0 = budget.spent()
-        st.check0 = budget.check_s
+        self._step_started(mode, st)
 
     def _quiet_boundary(self, mode: Any, st: StepState, now: float) -> bool:
         """The boundary between two steps neither of which is watched, in few lines (most steps of a long run: the
@@ -230,11 +221,7 @@ class StepBoundaries:
         step = st.step + 1
         if st.schedule.wants(step) or control.numerics_wanted():
             return False
-        took = now - st.t0
-        if took < st.plain_s:
-            st.plain_s = took
-        self._replay(st.reason)
-        st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
+        self._unwatched_step_done(st, mode.budget, now - st.t0)
         if mode.step_calls:
             mode.step_calls = {}
         st.step = step
@@ -242,11 +229,26 @@ class StepBoundaries:
         mode.sampler.begin_step(False, False, capped=st.schedule.settled and step >= FIRST_STEPS, now=now)
         st.reason = "steady_state"
         st.partial = False
+        self._step_started(mode, st)
+        return True
+
+    def _unwatched_step_done(self, st: StepState, budget: Any, took: float) -> None:
+        """A step that was not watched has ended (``took`` seconds): its plain time and its calls, counted."""
+        st.plain_s = took if st.plain_s is None else min(st.plain_s, took)
+        # Watched steps (after the first) from before any plain step was timed: charge what they really cost.
+        for took_w, spent_w in st.unmeasured:
+            budget.correction_s += max(took_w - st.plain_s - spent_w, 0.0)
+        st.unmeasured.clear()
+        self._replay(st.reason)
+        st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
+
+    @staticmethod
+    def _step_started(mode: Any, st: StepState) -> None:
+        """Where the next step starts from: signatures met, time, the budget's spent and check seconds."""
         st.signatures0 = len(mode.sampler.counts)
         st.t0 = time.perf_counter()
         st.spent0 = mode.budget.spent()
         st.check0 = mode.budget.check_s
-        return True
 
     def _replay(self, reason: str, seen: dict[tuple[str, str], list[Any]] | None = None) -> None:
         """Record the calls of an unwatched step (or the unwatched rest of a step) as skipped for ``reason``.
