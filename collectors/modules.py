@@ -11,7 +11,9 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +66,26 @@ def _source_of(cls: type[Any]) -> str | None:
     return f"{path}:{line}"
 
 
+def _global_name(module: torch.nn.Module) -> str | None:
+    """The name ``module`` has among the globals of the code that called it (the first frame outside tpudiag and
+    ``nn.Module``'s call machinery), or None."""
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return None
+        owner = str(frame.f_globals.get("__name__", ""))
+        if not owner.startswith(_CALL_MACHINERY):
+            for key, value in frame.f_globals.items():
+                if value is module:
+                    return str(key)
+            return None
+        frame = frame.f_back
+    return None
+
+
+_CALL_MACHINERY = ("tpudiag", "torch.nn.modules.module")
+
+
 class ModuleTracker:
     """Tracks the module path of the running forward, per thread.
 
@@ -77,6 +99,7 @@ class ModuleTracker:
         on_exit: Callable[[str, Any], None] | None = None,
     ) -> None:
         self._paths: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self._foreign: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._local = threading.local()
         self._on_enter = on_enter
         self._on_exit = on_exit
@@ -120,16 +143,33 @@ class ModuleTracker:
                 self._paths.setdefault(sub, shown if shown else root_label)
             return self._paths[module]
         parent_module, parent_path = stack[-1][0], stack[-1][1]
+        if parent_module not in self._paths:
+            # The parent is itself outside the tree: its children's paths depend on its caller, so none is kept.
+            for name, child in parent_module.named_children():
+                if child is module:
+                    return parent_path if name == "_orig_mod" else f"{parent_path}.{name}"
+            return f"{parent_path}.{self._foreign_name(module)}"
         for name, child in parent_module.named_children():
             if name == "_orig_mod":
                 self._paths.setdefault(child, parent_path)
                 continue
             self._paths.setdefault(child, f"{parent_path}.{name}" if parent_path else name)
         path = self._paths.get(module)
-        if path is None:
-            path = f"{parent_path}.{type(module).__name__}"
-            self._paths[module] = path
-        return path
+        if path is not None:
+            return path
+        # Not in the tree: a module the caller reached through its globals (transformers' hub kernels turn
+        # functions such as ``apply_rotary_pos_emb`` into modules) is named by that global under its caller's path,
+        # as the compiled graphs' module stacks name it, per caller (every layer calls the same one).  The root's
+        # own label is left out, as it is for its children.
+        name = self._foreign_name(module)
+        return f"{parent_path}.{name}" if len(stack) > 1 else name
+
+    def _foreign_name(self, module: torch.nn.Module) -> str:
+        name = self._foreign.get(module)
+        if name is None:
+            name = _global_name(module) or type(module).__name__
+            self._foreign[module] = name
+        return name
 
     # -- module_calls listener ---------------------------------------------------------------------------
     def enter(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

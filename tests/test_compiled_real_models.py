@@ -90,22 +90,37 @@ def test_module_and_gradient_names_of_a_compiled_hf_model_have_no_stray_index() 
                 sources.append(arg.source.name)
         return inner(gm, example_inputs)
 
+    from tpudiag.collectors.modules import ModuleTracker
+
     torch._dynamo.reset()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=1,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=100,
     )
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 100, (2, 8))
+    # The eager names: what the module tracker calls every module an eager forward runs.  With the ``kernels``
+    # package, transformers >= 5.2x makes ``apply_rotary_pos_emb`` a module-level module outside the model's tree
+    # (Dynamo's stack: ``G['__import_..._modeling_llama'].apply_rotary_pos_emb``): named under each layer's
+    # attention that calls it, in both.
+    eager: set[str] = set()
+    tracker = ModuleTracker(on_enter=lambda path, *_: eager.add(path))
+    tracker.install()
+    try:
+        model(input_ids=ids, labels=ids)
+    finally:
+        tracker.remove()
+    assert {n for n, m in model.named_modules() if n and not isinstance(m, torch.nn.ModuleList)} <= eager
     torch.compile(model, backend=backend)(input_ids=ids, labels=ids).loss.backward()
-    eager = {name for name, _ in model.named_modules() if name}
     assert "model.norm" in names["dynamo"] and "model.norm" in names["backward"]
     for tag, found in names.items():
         assert found and found <= eager, (tag, sorted(found - eager))
+    # Per caller: the second layer's rotary embedding is not the first's.
+    assert all("layers.0" not in n for n in names["dynamo"] if "layers.1" in n)
     params = {_param_name(s) for s in sources if "_parameters" in s}
     assert "model.norm.weight" in params and params <= {name for name, _ in model.named_parameters()}, params

@@ -206,6 +206,10 @@ def test_budget_estimate_learns_fixed_plus_rate_times_elements() -> None:
     # Another op of the same kind learns from the kind's rate; the checked op's cost is spent.
     assert b.estimate("aten::sin", "pointwise", 2_000) == pytest.approx(PRIOR_FIXED_S + rate * 2_000)
     assert b.spent() == pytest.approx(PRIOR_FIXED_S + rate * 10_000) and b.checks == 1
+    # One-time setup inside a check (a compiled graph's float64 copy) is spent but not learnt as the op's rate.
+    b.charge(0.02 + PRIOR_FIXED_S + rate * 10_000, "compiled_graph 0/0", "graph", 10_000, setup_s=0.02)
+    assert b.estimate("compiled_graph 0/0", "graph", 10_000) == pytest.approx(PRIOR_FIXED_S + rate * 10_000)
+    assert b.spent() == pytest.approx(0.02 + 2 * (PRIOR_FIXED_S + rate * 10_000))
 
 
 def test_budget_refuses_a_check_exactly_when_it_would_exceed_the_allowance() -> None:

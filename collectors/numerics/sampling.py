@@ -188,14 +188,15 @@ class Budget:
             return True
         return self.spent() + cost_s <= self.allowance(elapsed_s)
 
-    def charge(self, seconds: float, op: str = "", kind: str = "", numel: int = 0) -> None:
-        """A check took ``seconds``: spend them and learn the cost per element of this op and kind."""
+    def charge(self, seconds: float, op: str = "", kind: str = "", numel: int = 0, setup_s: float = 0.0) -> None:
+        """A check took ``seconds``: spend them and learn the cost per element of this op and kind.  ``setup_s`` of
+        them were one-time work (a compiled graph's float64 copy is made at its first check): spent, not learnt."""
         self.extra_s += seconds
         self.check_s += seconds
         self.checks += 1
         self._avg_check_s += (seconds - self._avg_check_s) / self.checks
         if numel > 0 and op:
-            rate = max(seconds - self._fixed_s, 0.0) / numel
+            rate = max(seconds - setup_s - self._fixed_s, 0.0) / numel
             old = self._rate_by_op.get(op)
             self._rate_by_op[op] = rate if old is None else 0.5 * (old + rate)
             old_kind = self._rate_by_kind.get(kind)

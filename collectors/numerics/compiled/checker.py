@@ -289,7 +289,7 @@ class CompiledChecker:
             g.skipped["tpudiag_error"] = g.skipped.get("tpudiag_error", 0) + 1
         spent = time.perf_counter() - t0 - call_s
         with contextlib.suppress(Exception):
-            self.ctx.budget.charge(spent, plan["op"], "graph", plan["numel"])
+            self.ctx.budget.charge(spent, plan["op"], "graph", plan["numel"], plan.get("setup_s", 0.0))
         return out
 
     def _check(self, g: Graph, snapshot: list[Any], out: Any, plan: dict[str, Any], backward: Any = None) -> None:
@@ -300,6 +300,7 @@ class CompiledChecker:
         t0 = time.perf_counter()
         if g.fp64 is None:
             g.fp64 = graph_oracle.to_float64_graph(g.info.ref)
+            plan["setup_s"] = time.perf_counter() - t0
         wanted = backward[1] if backward is not None else None
         fp64_in = graph_oracle.float64_inputs(snapshot)
         eager_in = graph_oracle.clone_inputs(snapshot)

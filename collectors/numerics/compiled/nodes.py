@@ -11,6 +11,10 @@ from typing import Any
 _ROOT = re.compile(r"^L\['args'\]\[0\]\.?|^L\['[^']*'\]\.?")
 _ITEM = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+# A module the frame reached through its globals: ``G['act']`` (a global of the compiled function's own module) or
+# ``G['__import_pkg_dot_mod'].fn`` (a global of another Python module, as transformers' hub kernels make their
+# function-modules, ``apply_rotary_pos_emb``).
+_GLOBAL = re.compile(r"^G\['([^']*)'\]\.?")
 
 
 def module_path(fx_path: str) -> str:
@@ -22,13 +26,40 @@ def module_path(fx_path: str) -> str:
     return path.strip(".")
 
 
+def _global_name(fx_path: str) -> str | None:
+    """``G['__import_pkg_dot_mod'].fn`` -> ``fn``, ``G['act'].inner`` -> ``act.inner``; None for a local path."""
+    found = _GLOBAL.match(fx_path)
+    if found is None:
+        return None
+    rest = module_path(fx_path[found.end() :])
+    key = found.group(1)
+    if key.startswith("__import_"):
+        return rest or None
+    return f"{key}.{rest}" if rest else key
+
+
 def module_of(node: Any) -> str | None:
+    """The module path of the innermost module the node ran in, as the eager module tracker names it: a module
+    outside the root's tree (reached through a global) is named after its caller's path and its global name."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return None
-    last = list(stack.values())[-1]
-    fx_path = last[0] if isinstance(last, tuple) else str(last)
-    return module_path(fx_path) or None
+    path = ""
+    named: list[tuple[str, str]] = []  # (Dynamo's path, our path) of the globals met so far
+    for entry in stack.values():
+        fx_path = entry[0] if isinstance(entry, tuple) else str(entry)
+        name = _global_name(fx_path)
+        if name is None:
+            path = module_path(fx_path)
+            continue
+        # A child of a global module already on the stack (``G['helper'].inner``) extends that module's path.
+        owner = next((n for n in reversed(named) if fx_path.startswith((n[0] + ".", n[0] + "["))), None)
+        if owner is not None:
+            path = f"{owner[1]}.{module_path(fx_path[len(owner[0]) :])}"
+        else:
+            path = f"{path}.{name}" if path else name
+        named.append((fx_path, path))
+    return path or None
 
 
 def source_of(node: Any) -> str | None:

@@ -1,0 +1,111 @@
+"""Module paths of modules outside the model's tree: a module-level module a forward calls through its globals
+(transformers' hub kernels turn ``apply_rotary_pos_emb`` into one) is named by that global under the path of the
+module that called it, per caller, and the same way in eager rows and in a compiled graph's rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tpudiag.collectors.modules import ModuleTracker  # noqa: E402
+from tpudiag.collectors.numerics.compiled import nodes  # noqa: E402
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x: Any) -> Any:
+        return x * 0.5
+
+
+class _Helper(torch.nn.Module):
+    """Outside the tree, with a child of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Scale()
+
+    def forward(self, x: Any) -> Any:
+        return self.inner(x).tanh()
+
+
+shared_act = _Scale()  # a function made a module, as hub kernels do
+helper = _Helper()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: Any) -> Any:
+        return helper(shared_act(self.proj(x)))
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: Any) -> Any:
+        for block in self.blocks:
+            x = block(x)
+        return shared_act(x)
+
+
+def _eager_names(model: torch.nn.Module, x: Any) -> list[str]:
+    seen: list[str] = []
+    tracker = ModuleTracker(on_enter=lambda path, *_: seen.append(path))
+    tracker.install()
+    try:
+        model(x)
+        model(x)  # the second call reads what the first learnt
+    finally:
+        tracker.remove()
+    return seen
+
+
+def test_a_global_module_is_named_under_each_caller_in_eager_and_compiled_rows() -> None:
+    torch.manual_seed(0)
+    model, x = _Model(), torch.randn(2, 4)
+    eager = _eager_names(model, x)
+    once = eager[: len(eager) // 2]
+    assert once == eager[len(eager) // 2 :]
+    assert once == [
+        "_Model",
+        "blocks.0",
+        "blocks.0.proj",
+        "blocks.0.shared_act",
+        "blocks.0.helper",
+        "blocks.0.helper.inner",
+        "blocks.1",
+        "blocks.1.proj",
+        "blocks.1.shared_act",
+        "blocks.1.helper",
+        "blocks.1.helper.inner",
+        "shared_act",  # called by the root itself: the root's label is left out, as for its children
+    ]
+
+    compiled: set[str] = set()
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        compiled.update(m for n in gm.graph.nodes if (m := nodes.module_of(n)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(x)
+    assert {"blocks.0.shared_act", "blocks.1.helper.inner", "shared_act"} <= compiled <= set(once)
+
+
+def test_dynamo_paths_of_globals_read_as_module_paths() -> None:
+    class Node:
+        def __init__(self, *paths: str) -> None:
+            self.meta = {"nn_module_stack": {str(i): (p, object) for i, p in enumerate(paths)}}
+
+    attn = "L['self'].model.layers[1].self_attn"
+    rope = "G['__import_transformers_dot_models_dot_llama_dot_modeling_llama'].apply_rotary_pos_emb"
+    assert nodes.module_of(Node(attn, rope)) == "model.layers.1.self_attn.apply_rotary_pos_emb"
+    assert nodes.module_of(Node(attn, "G['helper']", "G['helper'].inner")) == "model.layers.1.self_attn.helper.inner"
+    assert nodes.module_of(Node("G['act']")) == "act"
+    assert nodes.module_of(Node(attn)) == "model.layers.1.self_attn"
