@@ -83,7 +83,7 @@ def _global_name(module: torch.nn.Module) -> str | None:
     return None
 
 
-_CALL_MACHINERY = ("tpudiag", "torch.nn.modules.module")
+_CALL_MACHINERY = ("tpudiag", "torch.nn.modules.module", "torch._dynamo")
 
 
 class ModuleTracker:
