@@ -148,7 +148,7 @@ class ModuleTracker:
             for name, child in parent_module.named_children():
                 if child is module:
                     return parent_path if name == "_orig_mod" else f"{parent_path}.{name}"
-            return f"{parent_path}.{self._foreign_name(module)}"
+            return self._foreign_path(module, parent_module, parent_path, True)
         for name, child in parent_module.named_children():
             if name == "_orig_mod":
                 self._paths.setdefault(child, parent_path)
@@ -161,8 +161,15 @@ class ModuleTracker:
         # functions such as ``apply_rotary_pos_emb`` into modules) is named by that global under its caller's path,
         # as the compiled graphs' module stacks name it, per caller (every layer calls the same one).  The root's
         # own label is left out, as it is for its children.
+        return self._foreign_path(module, parent_module, parent_path, len(stack) > 1)
+
+    def _foreign_path(self, module: torch.nn.Module, parent: torch.nn.Module, parent_path: str, nested: bool) -> str:
+        if type(module) is type(parent):
+            # A stand-in of its own caller (a hub kernel's global function-module hands the call to the model's
+            # private copy of it, which compiled code skips): the same path, so eager and compiled rows agree.
+            return parent_path
         name = self._foreign_name(module)
-        return f"{parent_path}.{name}" if len(stack) > 1 else name
+        return f"{parent_path}.{name}" if nested else name
 
     def _foreign_name(self, module: torch.nn.Module) -> str:
         name = self._foreign.get(module)

@@ -109,3 +109,41 @@ def test_dynamo_paths_of_globals_read_as_module_paths() -> None:
     assert nodes.module_of(Node(attn, "G['helper']", "G['helper'].inner")) == "model.layers.1.self_attn.helper.inner"
     assert nodes.module_of(Node("G['act']")) == "act"
     assert nodes.module_of(Node(attn)) == "model.layers.1.self_attn"
+
+
+class _Kernel(torch.nn.Module):
+    """A hub kernel's function-module: the global one hands the call to a private copy (not a child) of itself."""
+
+    def __init__(self, private: bool = False) -> None:
+        super().__init__()
+        self.__dict__["copy"] = None if private else _Kernel(private=True)
+
+    def forward(self, x: Any) -> Any:
+        return x.sin() if self.copy is None else self.copy(x)
+
+
+kernel = _Kernel()
+
+
+class _KernelUser(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: Any) -> Any:
+        return kernel(self.proj(x))
+
+
+def test_a_private_copy_of_its_callers_class_takes_its_callers_path() -> None:
+    """Compiled code skips the copy (transformers' kernels call its forward directly while compiling): eager rows
+    must not name an extra level for it, or the two runs' rows of the same ops would not compare."""
+    model = torch.nn.Sequential(_KernelUser())
+    seen: list[tuple[str, Any]] = []
+    tracker = ModuleTracker(on_enter=lambda path, module, *_: seen.append((path, module)))
+    tracker.install()
+    try:
+        model(torch.randn(2, 4))
+    finally:
+        tracker.remove()
+    assert [p for p, _ in seen] == ["Sequential", "0", "0.proj", "0.kernel", "0.kernel"]
+    assert seen[-1][1] is kernel.copy
