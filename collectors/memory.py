@@ -53,23 +53,36 @@ def _module_of_traceback(tb: TracebackType | None) -> str | None:
     names it (the outermost module in the traceback is the root: its class name; the others by attribute path)."""
     import torch
 
-    modules: list[torch.nn.Module] = []
+    from tpudiag.collectors.modules import caller_globals, name_in
+
+    frames: list[Any] = []
+    modules: list[tuple[torch.nn.Module, int]] = []  # (module, index of its forward's frame), outermost first
     while tb is not None:
         frame = tb.tb_frame
         me = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
         if isinstance(me, torch.nn.Module):
-            modules.append(me)
+            modules.append((me, len(frames)))
+        frames.append(frame)
         tb = tb.tb_next
     if not modules:
         return None
-    root, inner = modules[0], modules[-1]
+    root = modules[0][0]
     orig = getattr(root, "_orig_mod", None)
     label = type(orig if isinstance(orig, torch.nn.Module) else root).__name__
-    for name, sub in root.named_modules():
-        if sub is inner:
-            shown = ".".join(p for p in name.split(".") if p != "_orig_mod")
-            return shown or label
-    return type(inner).__name__
+    tree = {id(sub): ".".join(p for p in name.split(".") if p != "_orig_mod") for name, sub in root.named_modules()}
+    path = ""
+    for i, (module, at) in enumerate(modules[1:], start=1):
+        if id(module) in tree:
+            path = tree[id(module)]
+            continue
+        if type(module) is type(modules[i - 1][0]):
+            continue  # a stand-in of its caller (a hub kernel's private copy): the tracker gives it the same path
+        # Outside the tree: named by its global in the code that called it, under the caller's path, as the
+        # tracker names it.
+        namespace = caller_globals(reversed(frames[:at]))
+        name = (name_in(namespace, module) if namespace is not None else None) or type(module).__name__
+        path = f"{path}.{name}" if path else name
+    return path or label
 
 
 def _oom_in(exc: BaseException) -> tuple[BaseException, Any] | None:

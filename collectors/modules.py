@@ -15,7 +15,7 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -69,17 +69,31 @@ def _source_of(cls: type[Any]) -> str | None:
 def _global_name(module: torch.nn.Module) -> str | None:
     """The name ``module`` has among the globals of the code that called it (the first frame outside tpudiag and
     ``nn.Module``'s call machinery), or None."""
-    frame: types.FrameType | None = sys._getframe(1)
-    for _ in range(16):
-        if frame is None:
-            return None
-        owner = str(frame.f_globals.get("__name__", ""))
-        if not owner.startswith(_CALL_MACHINERY):
-            for key, value in frame.f_globals.items():
-                if value is module:
-                    return str(key)
-            return None
+    namespace = caller_globals(_outward(sys._getframe(1)))
+    return name_in(namespace, module) if namespace is not None else None
+
+
+def _outward(frame: types.FrameType | None) -> Iterator[types.FrameType]:
+    while frame is not None:
+        yield frame
         frame = frame.f_back
+
+
+def caller_globals(frames: Iterable[types.FrameType], limit: int = 16) -> dict[str, Any] | None:
+    """The globals of the first of ``frames`` (innermost first) outside tpudiag and the module call machinery."""
+    for i, frame in enumerate(frames):
+        if i >= limit:
+            return None
+        if not str(frame.f_globals.get("__name__", "")).startswith(_CALL_MACHINERY):
+            return frame.f_globals
+    return None
+
+
+def name_in(namespace: dict[str, Any], module: torch.nn.Module) -> str | None:
+    """The name ``module`` has in ``namespace`` (a frame's globals), or None."""
+    for key, value in namespace.items():
+        if value is module:
+            return str(key)
     return None
 
 

@@ -147,3 +147,46 @@ def test_a_private_copy_of_its_callers_class_takes_its_callers_path() -> None:
         tracker.remove()
     assert [p for p, _ in seen] == ["Sequential", "0", "0.proj", "0.kernel", "0.kernel"]
     assert seen[-1][1] is kernel.copy
+
+
+class _Failing(torch.nn.Module):
+    """A global function-module whose private copy fails (an allocation refused, say)."""
+
+    def __init__(self, private: bool = False) -> None:
+        super().__init__()
+        self.__dict__["copy"] = None if private else _Failing(private=True)
+
+    def forward(self, x: Any) -> Any:
+        if self.copy is None:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return self.copy(x)
+
+
+failing = _Failing()
+
+
+class _FailingUser(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: Any) -> Any:
+        return failing(self.proj(x))
+
+
+def test_an_errors_traceback_names_its_module_as_the_tracker_does() -> None:
+    """The memory collector names an out-of-memory error's module from its traceback: the same path the module
+    tracker gave the failing call (not the bare class name of a module outside the tree)."""
+    from tpudiag.collectors.memory import _module_of_traceback
+
+    model = torch.nn.Sequential(torch.nn.Sequential(_FailingUser()))
+    seen: list[str] = []
+    tracker = ModuleTracker(on_enter=lambda path, *_: seen.append(path))
+    tracker.install()
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            model(torch.randn(2, 4))
+    finally:
+        tracker.remove()
+    assert seen[-1] == "0.0.failing"
+    assert _module_of_traceback(caught.value.__traceback__) == seen[-1]
