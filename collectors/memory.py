@@ -25,6 +25,7 @@ Nothing here runs per op or per module call: the cost is one sample per step.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import threading
 import time
@@ -53,7 +54,7 @@ def _module_of_traceback(tb: TracebackType | None) -> str | None:
     names it (the outermost module in the traceback is the root: its class name; the others by attribute path)."""
     import torch
 
-    from tpudiag.collectors.modules import caller_globals, name_in
+    from tpudiag.collectors.modules import foreign_path
 
     frames: list[Any] = []
     modules: list[tuple[torch.nn.Module, int]] = []  # (module, index of its forward's frame), outermost first
@@ -75,14 +76,18 @@ def _module_of_traceback(tb: TracebackType | None) -> str | None:
         if id(module) in tree:
             path = tree[id(module)]
             continue
-        if type(module) is type(modules[i - 1][0]):
-            continue  # a stand-in of its caller (a hub kernel's private copy): the tracker gives it the same path
-        # Outside the tree: named by its global in the code that called it, under the caller's path, as the
-        # tracker names it.
-        namespace = caller_globals(reversed(frames[:at]))
-        name = (name_in(namespace, module) if namespace is not None else None) or type(module).__name__
-        path = f"{path}.{name}" if path else name
+        caller = modules[i - 1][0]
+        path = foreign_path(module, caller, path, functools.partial(_global_name_before, module, frames[:at]))
     return path or label
+
+
+def _global_name_before(module: Any, frames: list[Any]) -> str:
+    """``module``'s name among the globals of the code that called it (the last of ``frames`` outside tpudiag and
+    the module call machinery), as the module tracker names it; else its class name."""
+    from tpudiag.collectors.modules import caller_globals, name_in
+
+    namespace = caller_globals(reversed(frames))
+    return (name_in(namespace, module) if namespace is not None else None) or type(module).__name__
 
 
 def _oom_in(exc: BaseException) -> tuple[BaseException, Any] | None:

@@ -100,6 +100,18 @@ def name_in(namespace: dict[str, Any], module: torch.nn.Module) -> str | None:
 _CALL_MACHINERY = ("tpudiag", "torch.nn.modules.module", "torch._dynamo")
 
 
+def foreign_path(module: torch.nn.Module, caller: torch.nn.Module, caller_path: str, name: Callable[[], str]) -> str:
+    """The path of ``module``, called by ``caller`` (at ``caller_path``, "" for the root) but outside the model's
+    tree: ``name()`` (its global's name) under the caller's path.  A stand-in of its own caller (a hub kernel's
+    global function-module hands the call to the model's private copy of it, which compiled code skips) takes the
+    caller's path, so eager and compiled rows agree.  The module tracker and the memory collector's traceback reader
+    both name such modules so."""
+    if type(module) is type(caller):
+        return caller_path
+    own = name()
+    return f"{caller_path}.{own}" if caller_path else own
+
+
 class ModuleTracker:
     """Tracks the module path of the running forward, per thread.
 
@@ -162,7 +174,7 @@ class ModuleTracker:
             for name, child in parent_module.named_children():
                 if child is module:
                     return parent_path if name == "_orig_mod" else f"{parent_path}.{name}"
-            return self._foreign_path(module, parent_module, parent_path, True)
+            return foreign_path(module, parent_module, parent_path, lambda: self._foreign_name(module))
         for name, child in parent_module.named_children():
             if name == "_orig_mod":
                 self._paths.setdefault(child, parent_path)
@@ -174,16 +186,9 @@ class ModuleTracker:
         # Not in the tree: a module the caller reached through its globals (transformers' hub kernels turn
         # functions such as ``apply_rotary_pos_emb`` into modules) is named by that global under its caller's path,
         # as the compiled graphs' module stacks name it, per caller (every layer calls the same one).  The root's
-        # own label is left out, as it is for its children.
-        return self._foreign_path(module, parent_module, parent_path, len(stack) > 1)
-
-    def _foreign_path(self, module: torch.nn.Module, parent: torch.nn.Module, parent_path: str, nested: bool) -> str:
-        if type(module) is type(parent):
-            # A stand-in of its own caller (a hub kernel's global function-module hands the call to the model's
-            # private copy of it, which compiled code skips): the same path, so eager and compiled rows agree.
-            return parent_path
-        name = self._foreign_name(module)
-        return f"{parent_path}.{name}" if nested else name
+        # own label is left out, as it is for its children (a stand-in of the root keeps the label).
+        caller_path = parent_path if len(stack) > 1 else ""
+        return foreign_path(module, parent_module, caller_path, lambda: self._foreign_name(module)) or parent_path
 
     def _foreign_name(self, module: torch.nn.Module) -> str:
         name = self._foreign.get(module)

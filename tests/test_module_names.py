@@ -112,26 +112,36 @@ def test_dynamo_paths_of_globals_read_as_module_paths() -> None:
 
 
 class _Kernel(torch.nn.Module):
-    """A hub kernel's function-module: the global one hands the call to a private copy (not a child) of itself."""
+    """A hub kernel's function-module: the global one hands the call to a private copy (not a child) of itself; with
+    ``fails``, the copy raises (an allocation refused, say)."""
 
-    def __init__(self, private: bool = False) -> None:
+    def __init__(self, private: bool = False, fails: bool = False) -> None:
         super().__init__()
-        self.__dict__["copy"] = None if private else _Kernel(private=True)
+        self.fails = fails
+        self.__dict__["copy"] = None if private else _Kernel(private=True, fails=fails)
 
     def forward(self, x: Any) -> Any:
-        return x.sin() if self.copy is None else self.copy(x)
+        if self.copy is not None:
+            return self.copy(x)
+        if self.fails:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return x.sin()
 
 
 kernel = _Kernel()
+failing = _Kernel(fails=True)
 
 
 class _KernelUser(torch.nn.Module):
-    def __init__(self) -> None:
+    """Calls ``kernel`` (or ``failing``) through its globals."""
+
+    def __init__(self, fails: bool = False) -> None:
         super().__init__()
         self.proj = torch.nn.Linear(4, 4)
+        self.fails = fails
 
     def forward(self, x: Any) -> Any:
-        return kernel(self.proj(x))
+        return (failing if self.fails else kernel)(self.proj(x))
 
 
 def test_a_private_copy_of_its_callers_class_takes_its_callers_path() -> None:
@@ -149,37 +159,12 @@ def test_a_private_copy_of_its_callers_class_takes_its_callers_path() -> None:
     assert seen[-1][1] is kernel.copy
 
 
-class _Failing(torch.nn.Module):
-    """A global function-module whose private copy fails (an allocation refused, say)."""
-
-    def __init__(self, private: bool = False) -> None:
-        super().__init__()
-        self.__dict__["copy"] = None if private else _Failing(private=True)
-
-    def forward(self, x: Any) -> Any:
-        if self.copy is None:
-            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
-        return self.copy(x)
-
-
-failing = _Failing()
-
-
-class _FailingUser(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = torch.nn.Linear(4, 4)
-
-    def forward(self, x: Any) -> Any:
-        return failing(self.proj(x))
-
-
 def test_an_errors_traceback_names_its_module_as_the_tracker_does() -> None:
     """The memory collector names an out-of-memory error's module from its traceback: the same path the module
     tracker gave the failing call (not the bare class name of a module outside the tree)."""
     from tpudiag.collectors.memory import _module_of_traceback
 
-    model = torch.nn.Sequential(torch.nn.Sequential(_FailingUser()))
+    model = torch.nn.Sequential(torch.nn.Sequential(_KernelUser(fails=True)))
     seen: list[str] = []
     tracker = ModuleTracker(on_enter=lambda path, *_: seen.append(path))
     tracker.install()
