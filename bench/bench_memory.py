@@ -80,7 +80,7 @@ def main() -> dict[str, Any]:
         for _ in range(10):  # the median of 10 rounds: a busy moment of the machine spoils one round, not the figure
             t0 = time.perf_counter()
             for _ in range(n):
-                collector._after_step(opt, (), {})
+                collector._after_step(opt)
             rounds.append((time.perf_counter() - t0) / n)
             collector.flush()
         hook_s = statistics.median(rounds)

@@ -16,10 +16,11 @@
 
 Nothing here runs per op or per module call: the cost is one sample per step.
 
-- **Into the pulse** (long runs, ``tpudiag.longrun.probes``): the latest sample's figures join every pulse record
-  (``memory.allocated_bytes`` ...; unknown stays null), and growth of the live bytes past their post-warm-up floor,
-  held over a run of steps (``tpudiag.longrun.growth``), asks for a ``memory`` trace window.  The probe reads the
-  sample this collector already took: it costs no second reading.
+- **Into the pulse** (long runs, ``tpudiag.longrun.probes``): each sample's figures are published to the pulse record
+  of the step that took it (``memory.allocated_bytes`` ...; a step without a sample, or unknown figures, stay null),
+  and growth of the live bytes past their post-warm-up floor, held over a run of steps
+  (``tpudiag.longrun.growth``), asks for a ``memory`` trace window.  The step hook runs before the pulse's
+  (``collectors/step_points.py``): no second reading.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from types import TracebackType
 from typing import Any
 
 from tpudiag import internal_errors, runner
-from tpudiag.longrun import control, triggers
+from tpudiag.longrun import control, probes, triggers
 from tpudiag.longrun.growth import GrowthWatch
 from tpudiag.longrun.stride import Stride
 from tpudiag.plugins import CaptureContext
@@ -129,14 +130,9 @@ class MemoryCollector:
         self._windows = 0
         self._window_lock = threading.Lock()
         self._oom_holders: list[dict[str, Any]] = []
-        self._is_compiling: Any = None
-        self._main_thread = threading.main_thread()
-        self._probe: Any = None
         self._growth = GrowthWatch()  # growth of the live bytes past their post-warm-up floor
         self._span_from = 0  # the step of the growth span's first reading
-        self._unreported: dict[str, Any] | None = None  # the last sample, until the pulse's probe takes it
         self._live: int | None = None  # live bytes of the last sample (the growth watch's figure)
-        self._sampled_step = -1  # the step of the last reading
         self._stride = Stride()  # one sample a step, thinned on fast steps (tpudiag.longrun.stride)
 
     # -- plugin protocol --------------------------------------------------------------------------------------
@@ -149,21 +145,13 @@ class MemoryCollector:
         pass
 
     def start(self, ctx: CaptureContext) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        from tpudiag.collectors import module_calls
+        from tpudiag.collectors import step_points
         from tpudiag.collectors.memory_sampler import MemorySampler
 
         self._ctx = ctx
-        import torch
-
         self._sampler = MemorySampler()
-        self._is_compiling = torch.compiler.is_compiling
-        self._hooks.append(register_optimizer_step_post_hook(module_calls.skip_in_dynamo(self._after_step)))
+        self._hooks.append(step_points.add(self._after_step, step_points.READ, "memory"))
         self._remove_listener = runner.add_failure_listener(self._on_failure)
-        from tpudiag.longrun import probes
-
-        self._probe = probes.register("memory", self._pulse_figures)
         if ctx.options.get("memory_dispatch"):
             from tpudiag.collectors.memory_dispatch import LiveBytes
             from tpudiag.collectors.modules import ModuleTracker
@@ -239,9 +227,7 @@ class MemoryCollector:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self._probe is not None:
-            self._probe.remove()
-            self._probe = None
+        probes.withdraw("memory")
         if self._remove_listener is not None:
             self._remove_listener()
         self.flush()
@@ -260,53 +246,23 @@ class MemoryCollector:
                 self._ctx.spool.write_table("memory_blocks", records_to_arrow(MemoryBlock, held), part="oom-held")
 
     # -- per step ---------------------------------------------------------------------------------------------
-    def _pulse_figures(self) -> dict[str, Any]:
-        """The pulse probe: the latest sample's figures (no second reading), and a ``memory`` window when the live
-        bytes grew well past their post-warm-up floor."""
-        if self._unreported is None:
-            # The pulse's hook may run before this collector's: the step's reading is taken here, then.
-            self._take_reading()
-        fig, self._unreported = self._unreported, None
-        # Growth is judged every step on the latest reading (held between thinned readings, so a span is still 16
-        # steps); the record gets figures only from a reading taken since the last one.
-        if fig is not None:
-            self._live = next((fig[k] for k in LIVE_FIGURES if fig.get(k)), None)
-        live = self._live
-        if live is not None and self._steps >= triggers.WARMUP_STEPS:  # as every trigger: after warm-up
-            if self._growth.seen == 0:
-                self._span_from = self._steps
-            low = self._growth.see(live, in_window=control.window_open())
-            floor = self._growth.floor
-            if low is not None and floor:
-                detail = f"live memory at least {low / 2**20:.0f} MiB over steps {self._span_from}-{self._steps}"
-                detail += f", {low / floor:.2f}x its floor of {floor / 2**20:.0f} MiB after warm-up"
-                if control.request("memory", numerics=False, detail=detail):
-                    self._growth.granted(low)
-        if fig is None:
-            return {}  # no reading since the last step's record (thinned on fast steps): the figures are unknown
-        return {k: fig.get(k) for k in PROBE_FIGURES}
-
-    def _take_reading(self) -> None:
-        """This step's reading, once, if the stride says it is due (the pulse's probe or the step hook, whichever
-        runs first)."""
-        step = self._steps
-        if self._sampled_step != step and self._stride.due(step, time.monotonic()):
-            self._sampled_step = step
-            self.sample_step(step)
-
-    def sample_step(self, step: int) -> dict[str, Any]:
-        """One step's figures (the sampler's dict), kept for the next flush (records are built there, off the
-        step)."""
-        fig: dict[str, Any] = self._sampler.sample()
-        self._rows.append((step, time.time_ns(), fig))
-        self._unreported = fig
-        return fig
-
-    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._is_compiling() or threading.current_thread() is not self._main_thread:
-            return
+    def _after_step(self, optimizer: Any) -> None:
+        """``step_points``' callback (``READ``: before the pulse's, so the step's reading is in its own pulse
+        record): the step's reading if the stride says it is due, and the growth watch."""
         try:
-            self._take_reading()
+            step = self._steps
+            if self._stride.due(step, time.monotonic()):
+                fig = self.sample_step(step)
+                self._live = next((fig[k] for k in LIVE_FIGURES if fig.get(k)), None)
+                probes.published["memory"] = {k: fig.get(k) for k in PROBE_FIGURES}  # ``probes.publish``
+            live = self._live
+            if live is not None and step >= triggers.WARMUP_STEPS:  # as every trigger: after warm-up
+                growth = self._growth
+                if growth.seen == 0:
+                    self._span_from = step
+                low = growth.see(live, in_window=control.STATE.window_open)
+                if low is not None and growth.floor:
+                    self._ask_for_window(low, step)
             if self._dispatch is not None:
                 self._dispatch.failed_op = None  # an error the script caught and went past
                 if self._dispatch.full():
@@ -314,6 +270,22 @@ class MemoryCollector:
         except Exception as err:  # never into the user's optimizer step
             internal_errors.current().record("memory", "sample a step", err)
         self._steps += 1
+
+    def _ask_for_window(self, low: int, step: int) -> None:
+        """A ``memory`` window: the live bytes grew well past their post-warm-up floor (judged every step on the
+        latest reading, held between thinned readings, so a span is still 16 steps)."""
+        floor = self._growth.floor or low
+        detail = f"live memory at least {low / 2**20:.0f} MiB over steps {self._span_from}-{step}"
+        detail += f", {low / floor:.2f}x its floor of {floor / 2**20:.0f} MiB after warm-up"
+        if control.request("memory", numerics=False, detail=detail):
+            self._growth.granted(low)
+
+    def sample_step(self, step: int) -> dict[str, Any]:
+        """One step's figures (the sampler's dict), kept for the next flush (records are built there, off the
+        step).  On the main thread only (``step_points``)."""
+        fig: dict[str, Any] = self._sampler.sample()
+        self._rows.append((step, time.time_ns(), fig))
+        return fig
 
     # -- out of memory ------------------------------------------------------------------------------------------
     def _on_failure(self, exc: BaseException) -> None:

@@ -112,6 +112,10 @@ def foreign_path(module: torch.nn.Module, caller: torch.nn.Module, caller_path: 
     return f"{caller_path}.{own}" if caller_path else own
 
 
+def _nothing() -> None:
+    return None
+
+
 class ModuleTracker:
     """Tracks the module path of the running forward, per thread.
 
@@ -135,6 +139,8 @@ class ModuleTracker:
         self.roots_only = False
         self.sources: dict[str, str] = {}
         self._class_sources: dict[type[Any], str | None] = {}
+        self._root: Callable[[], torch.nn.Module | None] = _nothing  # the last root module called (weakly)
+        self._root_path = ""
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -156,8 +162,14 @@ class ModuleTracker:
         return stack[-1][1] if stack else None
 
     def path_of(self, module: torch.nn.Module) -> str:
+        # The root call of every step is the same module: its path without a weak-dictionary lookup (which builds
+        # a weak reference per call).  Kept (``_root``) once its path is known, at its second root call.
+        if self._root() is module:
+            return self._root_path
         path = self._paths.get(module)
         if path is not None:
+            if not self._stack():
+                self._root, self._root_path = weakref.ref(module), path
             return path
         stack = self._stack()
         if not stack:
@@ -199,15 +211,20 @@ class ModuleTracker:
 
     # -- module_calls listener ---------------------------------------------------------------------------
     def enter(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        stack = self._stack()
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._stack()
         is_root = not stack
-        path = self.path_of(module)
-        cls = type(module)
-        if cls not in self._class_sources:
-            self._class_sources[cls] = _source_of(cls)
-        src = self._class_sources[cls]
-        if src is not None and path not in self.sources:
-            self.sources[path] = src
+        if is_root and self._root() is module:
+            path = self._root_path  # every step's root call (its source was noted when its path was first found)
+        else:
+            path = self.path_of(module)
+            cls = type(module)
+            if cls not in self._class_sources:
+                self._class_sources[cls] = _source_of(cls)
+            src = self._class_sources[cls]
+            if src is not None and path not in self.sources:
+                self.sources[path] = src
         token = None
         if self._on_enter is not None:
             try:

@@ -6,7 +6,7 @@ events, whether a gradient was non-finite, and the figures of registered per-ste
 memory, plugins).
 
 Cost: two ``perf_counter_ns`` calls, a small list, a rolling median updated every 16 steps, and at most every
-10 ms one small device op (``tpudiag.longrun.stride``: every step of the first window's steps and of steps of 10 ms
+50 ms one small device op (``tpudiag.longrun.stride``: every step of the first window's steps and of steps of 50 ms
 or more).  Non-finiteness is read without a sync (and not inside trace windows, whose traces hold the script's ops
 only): a checked step sums the gradient of its smallest parameter on the device (every ``FULL_EVERY`` checks: the
 norms of all gradients), below every dispatch mode, and the result is read at the *next* step's end, when it is
@@ -106,6 +106,8 @@ class PulseRecorder:
         self._batch: list[list[Any]] = []
         self._checks = 0  # gradient checks made (every FULL_EVERY-th reads every gradient)
         self._stride = Stride()  # the gradient check, thinned on fast steps (tpudiag.longrun.stride)
+        self._check_every_ns = int(self._stride.every_s * 1e9)
+        self._next_check_ns = 0  # perf_counter_ns at which the next gradient check is due (after the first steps)
         factor = ctx.options.get("slow_factor") or os.environ.get("TPUDIAG_SLOW_FACTOR")
         self.slow = SlowSteps(factor=float(factor)) if factor else SlowSteps()
         self.window_id: int | None = None  # set by the window planner while a window is open
@@ -140,39 +142,58 @@ class PulseRecorder:
 
     def step_end(self, optimizer: Any) -> tuple[float, list[tuple[str, str]]]:
         """End of a step (the optimizer's post-hook): its record; its duration in seconds and the triggers it fired
-        as (reason, detail)."""
+        as (reason, detail).
+
+        Written for a step whose caches the script has just filled (each object touched here is a cache miss, each
+        call a cold frame): the common step reads a few attributes and two counters, judges the step against the
+        median and appends its record; the rarer parts (a gradient check due, a compile event, the checker's or a
+        background thread's time to take out) run only when their counter or clock says so."""
         end = time.perf_counter_ns()
-        start = self._start if self._start is not None else (self._prev_end or end)
-        gap = start - self._prev_end if self._start is not None and self._prev_end is not None else None
+        start, prev_end = self._start, self._prev_end
+        if start is None:
+            start, gap = (prev_end if prev_end is not None else end), None
+        else:
+            gap = start - prev_end if prev_end is not None else None
         dur = end - start
         step = self.step
         fired: list[tuple[str, str]] = []
-        nonfinite_prev = self._read_check() if self._check is not None else None
         pending = self._pending
         if pending is not None:
+            nonfinite_prev = self._read_check() if self._check is not None else None
             pending[9] = nonfinite_prev
-            self._keep(pending)
+            self.ring.append(pending)
+            batch = self._batch
+            batch.append(pending)
+            if len(batch) >= WAKE_ROWS:
+                self._wake.set()
             if nonfinite_prev:
                 self.nonfinite_steps += 1
                 fired.append(("nonfinite", f"a non-finite gradient at step {pending[0]}"))
-        if self._stride.due(step, end / 1e9):
+        if end >= self._next_check_ns or step < self._stride.first_steps:  # ``Stride.due``, inlined
+            self._next_check_ns = end + self._check_every_ns
             self._start_check(optimizer)
-        compiles = control.compile_counts()
-        c0, r0, g0 = self._compiles
-        self._compiles = compiles
-        if compiles[1] > r0:
-            fired.append(("recompile", f"recompile at step {step}: {control.compile_detail() or ''}".rstrip(": ")))
-        if compiles[2] > g0:
-            fired.append(("graph_break", f"graph break at step {step}: {control.compile_detail() or ''}".rstrip(": ")))
-        median = self.slow.median_s
+        c0, r0, g0 = compiles = self._compiles
+        if control.STATE.compiles != c0:
+            self._compiles = compiles = control.compile_counts()
+            if compiles[1] > r0:
+                fired.append(("recompile", f"recompile at step {step}: {control.compile_detail() or ''}".rstrip(": ")))
+            if compiles[2] > g0:
+                detail = f"graph break at step {step}: {control.compile_detail() or ''}".rstrip(": ")
+                fired.append(("graph_break", detail))
         # The numerics checker's time since the last step's end (its checks in this step, its boundary work in the
-        # gap) is tpudiag's own time: counted as such, and never judged as the script's slowness.
-        checker = control.checker_seconds()
-        checker_ns = max(int((checker - self._checker_s) * 1e9), 0)
-        self._checker_s = checker
-        # So is what tpudiag's background threads did meanwhile (the script's thread waited on their GIL).
-        background = control.background_ns()
-        background_ns, self._background_ns = background - self._background_ns, background
+        # gap) is tpudiag's own time: counted as such, and never judged as the script's slowness.  So is what
+        # tpudiag's background threads did meanwhile (the script's thread waited on their GIL).
+        # (Both read without a call on most steps: ``control.checker_seconds`` and ``control.background_ns``.)
+        clock = control.checker_clock
+        checker = clock() if clock is not None else 0.0
+        checker_ns = 0
+        if checker != self._checker_s:
+            checker_ns = max(int((checker - self._checker_s) * 1e9), 0)
+            self._checker_s = checker
+        background = control.background_ns() if control.bg_running else control.bg_done_ns
+        background_ns = background - self._background_ns
+        if background_ns:
+            self._background_ns = background
         # A step's period (the gap before it, where data loading waits, and the step itself) is what slows a job.
         # Steps inside a window (and the one that closes it) pay for the profiler and the checker: not a signal.
         period = max(dur + (gap or 0) - checker_ns - background_ns, 0)
@@ -181,19 +202,21 @@ class PulseRecorder:
         # through its mode, so such a step still read 4-5x the median (every periodic re-check step on the bench
         # loop), and its outlier let the next jitter step fire as a repeat: slow_step windows of tpudiag's making.
         self.slow_ratio = None
-        judged = self.window_id is None and checker_ns == 0
-        if judged and self.slow.fires(period / 1e9) and median and not fired:
-            self.slow_ratio = period / 1e9 / median
-            fired.append(
-                (
-                    "slow_step",
-                    f"step {step} took {period / 1e6:.1f} ms with the gap before it, "
-                    f"{period / 1e9 / median:.1f}x the median {median * 1e3:.2f} ms",
+        if self.window_id is None and checker_ns == 0 and self.slow.fires(period / 1e9) and not fired:
+            median = self.slow.median_s
+            if median:
+                self.slow_ratio = period / 1e9 / median
+                fired.append(
+                    (
+                        "slow_step",
+                        f"step {step} took {period / 1e6:.1f} ms with the gap before it, "
+                        f"{self.slow_ratio:.1f}x the median {median * 1e3:.2f} ms",
+                    )
                 )
-            )
         # The figures dict as it is: serialised by the writer thread, off the step.
         record = [step, start + self._epoch_offset, dur, gap, 0, self._shapes, compiles[0] - c0, compiles[1] - r0,
-                  compiles[2] - g0, None, self.window_id, probes.collect()]  # fmt: skip
+                  compiles[2] - g0, None, self.window_id,
+                  probes.collect() if probes.published or probes.pulling else None]  # fmt: skip
         self._pending = record
         self.step = step + 1
         self._prev_end = end

@@ -80,7 +80,6 @@ class TraceCollector(LongRunMixin):
         self._hooks: list[Any] = []
         self._main_thread = threading.main_thread()
         self._main_ident = self._main_thread.ident
-        self._is_compiling: Any = lambda: False  # torch.compiler.is_compiling once started
         self._pulse: Any = None  # collectors/pulse.py PulseRecorder
         self._plan: Any = None  # collectors/windows.py WindowPlan (None: --trace all)
         self._in_step = False
@@ -107,7 +106,6 @@ class TraceCollector(LongRunMixin):
         from tpudiag.collectors.modules import ModuleTracker, input_shapes
 
         self._ctx = ctx
-        self._is_compiling = torch.compiler.is_compiling
         self._trace_dir = ctx.run_dir / "trace"
         self._trace_dir.mkdir(parents=True, exist_ok=True)
         self._activities = [torch.profiler.ProfilerActivity.CPU]
@@ -125,8 +123,16 @@ class TraceCollector(LongRunMixin):
             if is_root:
                 if self._step_ended:
                     self._step_ended = False
-                    if self._plan is not None:
-                        self._boundary()
+                    plan = self._plan
+                    if plan is not None:
+                        # Most steps of a long run: no window open, closing or coming, nothing to carry out.
+                        if (
+                            plan.close_next
+                            or plan.next is not None
+                            or plan.open is not None
+                            or self._pulse.window_id is not None
+                        ):
+                            self._boundary()
                     elif self._chunk_due():
                         self._rotate()
                 if not self._in_step and self._pulse is not None:
@@ -144,16 +150,12 @@ class TraceCollector(LongRunMixin):
             if token is not None:
                 token.__exit__(None, None, None)
 
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
         self._tracker = ModuleTracker(on_enter, on_exit)
         try:
             self._tracker.install()
-            from tpudiag.collectors import module_calls
+            from tpudiag.collectors import step_points
 
-            self._hooks.append(
-                register_optimizer_step_post_hook(module_calls.skip_in_dynamo(self._after_optimizer_step))
-            )
+            self._hooks.append(step_points.add(self._after_optimizer_step, step_points.PULSE, "trace"))
             self._patch_user_sessions()
             from tpudiag.collectors import tpu_profiler
 
@@ -215,19 +217,17 @@ class TraceCollector(LongRunMixin):
             ctx.note(NO_EVENTS)
 
     # -- profiler sessions ------------------------------------------------------------------------------------
-    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Mark a step boundary; the chunk is cut at the next root-module forward if it is old enough.
+    def _after_optimizer_step(self, optimizer: Any) -> None:
+        """Mark a step boundary (``step_points``: on the main thread, never while Dynamo traces); the chunk is cut
+        at the next root-module forward if it is old enough.
 
         Not here: the optimizer's own ``Optimizer.step#`` range is still open, and a profiler range that spans two
         sessions corrupts Kineto's heap (seen on torch 2.13).
         """
-        if self._is_compiling():  # a compiled optimizer step: Dynamo must trace nothing of tpudiag's
-            return
-        if threading.get_ident() == self._main_ident:
-            self._step_ended = True
-            self._in_step = False
-            if self._pulse is not None:
-                self._step_end(optimizer)
+        self._step_ended = True
+        self._in_step = False
+        if self._pulse is not None:
+            self._step_end(optimizer)
 
     def _chunk_due(self) -> bool:
         return (

@@ -61,6 +61,7 @@ class WindowPlan:
         self.refused: dict[str, int] = {}  # windows the disk cap kept closed, by reason
         self.disabled: str | None = None  # why no more windows open (the run folder failed)
         self.warm = False
+        self._quiet: tuple[float, float] | None = None  # (step, time) before which an idle plan has nothing to do
 
     def plan(
         self,
@@ -72,7 +73,14 @@ class WindowPlan:
     ) -> None:
         """At the end of a step: ``step`` is the index of the step about to start; ``fired`` the pulse's triggers
         (``severity``: how severe, by reason, where known); ``busy()`` the ids of windows still being analysed (never
-        pruned)."""
+        pruned).
+
+        Most steps of a long run find nothing open, coming or asked for, and the schedule not yet due: they return
+        at once (``_quiet``: the step and the time before which the schedule cannot be due)."""
+        quiet = self._quiet
+        if quiet is not None and not fired and (step < quiet[0] or now_s < quiet[1]) and not control.STATE.pending:
+            return
+        self._quiet = None
         current = self.open
         if current is not None and not self.close_next:
             over = current.end_step is not None and step >= current.end_step
@@ -93,6 +101,11 @@ class WindowPlan:
             self.next = self._choose(step, now_s, busy)
         coming = self.next if self.next is not None else (None if self.close_next else self.open)
         control.set_numerics_wanted(bool(coming and coming.numerics))
+        if self.open is None and self.next is None and not self.close_next and not self.queued:
+            if self.disabled is not None:
+                self._quiet = (float("inf"), float("inf"))
+            else:
+                self._quiet = self.schedule.not_before(step + 1, self.last_end_step, self.last_end_s, self.cycles)
 
     def _choose(self, step: int, now_s: float, busy: Any) -> Window | None:
         while self.queued:
@@ -116,6 +129,7 @@ class WindowPlan:
     # -- carried out by the trace collector ---------------------------------------------------------------------
     def closed(self, step: int, now_s: float) -> Window | None:
         window, self.open, self.close_next = self.open, None, False
+        self._quiet = None
         self.last_end_step = step
         if window is not None and window.reason in ("first_steps", "schedule"):
             self.last_end_s = now_s  # the schedule keeps its own rhythm, whatever triggers open in between
@@ -124,6 +138,7 @@ class WindowPlan:
     def opened(self) -> Window | None:
         window, self.next = self.next, None
         if window is not None:
+            self._quiet = None
             self.count += 1
             self.open = window
         return window

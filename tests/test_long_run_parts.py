@@ -159,6 +159,49 @@ def test_a_scheduled_window_opens_once_per_interval_not_again_as_it_closes() -> 
         control.deactivate()
 
 
+@pytest.mark.parametrize(
+    "spec", ["every=3s,active=4", "wait=37,warmup=2,active=3", "wait=5,active=2,repeat=3,skip_first=50"]
+)
+def test_an_idle_plan_skips_its_steps_and_opens_the_same_windows_as_one_that_asks_every_step(spec: str) -> None:
+    """The per-step fast path (``WindowPlan._quiet``): steps before the schedule can be due return at once, and the
+    windows are exactly those of a plan that runs in full at every step, through triggers, a manual request and a
+    resumed window."""
+    from tpudiag.collectors.windows import Window, WindowPlan
+
+    def run(gated: bool) -> tuple[list[tuple[str, int, int | None]], int]:
+        control.activate()
+        try:
+            plan = WindowPlan(schedule.parse(spec), analyst.DiskCap(), triggers.RateLimit(min_interval_s=2), now_s=0.0)
+            opened: list[tuple[str, int, int | None]] = []
+            quiet = 0
+            for step in range(1500):
+                now = step * 0.01
+                fired = [("slow_step", "x")] if step in (400, 401, 900) else []
+                if step == 700:
+                    control.request("manual", steps=3, numerics=False)
+                if not gated:
+                    plan._quiet = None
+                quiet += plan._quiet is not None and step < plan._quiet[0]
+                plan.plan(step, now, fired, set)
+                if plan.close_next:
+                    plan.closed(step, now)
+                if step == 1100 and plan.open is None and plan.next is None:  # as ``_resume_window`` does
+                    plan.next = Window(plan.count, "manual", step, step + 2)
+                window = plan.opened()
+                if window is not None:
+                    opened.append((window.reason, window.first_step, window.end_step))
+            return opened, quiet
+        finally:
+            control.deactivate()
+
+    full, _ = run(gated=False)
+    gated, quiet = run(gated=True)
+    assert gated == full
+    assert {r for r, _, _ in full} >= {"slow_step", "manual"}
+    if "wait" in spec:
+        assert quiet > 1000  # most steps skipped (the time form's are skipped by time, not by step)
+
+
 def test_requests_are_dropped_when_no_capture_runs_and_bad_reasons_refused() -> None:
     control.deactivate()
     assert control.request("manual") is False
@@ -465,9 +508,11 @@ def test_thinned_readings_every_step_first_then_one_per_interval() -> None:
 
 
 def test_pulse_thins_its_gradient_check_on_fast_steps_and_still_finds_a_lasting_nan(tmp_path: Path) -> None:
-    # A NaN that lasts (as one that reached the weights does); ~3 ms steps: a check about every 4th step after the
-    # first steps.
-    fired_at = _pulse_loop(tmp_path, 60, lambda step: step >= 40, step_s=0.003)
+    from tpudiag.longrun.stride import EVERY_S
+
+    # A NaN that lasts (as one that reached the weights does); steps of a quarter of the interval: a check about
+    # every 4th step after the first steps.
+    fired_at = _pulse_loop(tmp_path, 60, lambda step: step >= 40, step_s=EVERY_S / 4)
     import pyarrow.parquet as pq
 
     table = pq.read_table(tmp_path / "spool" / "pulse")
@@ -500,10 +545,8 @@ def test_the_pulse_check_is_unseen_by_dispatch_modes(tmp_path: Path) -> None:
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    from tpudiag.longrun.stride import Stride
-
     pulse = PulseRecorder(CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / "spool")))
-    pulse._stride = Stride(every_s=0.0)  # a check at every step
+    pulse._check_every_ns = 0  # a check at every step
     model(torch.randn(3, 4)).sum().backward()
     with Seen() as seen:
         for _ in range(FULL_EVERY + 1):  # the small check and the full one

@@ -117,8 +117,6 @@ class NumericsCollector(StepBoundaries, RunSummary):
         }
         self._register_compile_callback()
         if options.enabled:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
             from tpudiag.collectors.numerics.sampling import StepSchedule
 
             self._steps.schedule = StepSchedule(watch_all=options.mode == "all")
@@ -126,7 +124,12 @@ class NumericsCollector(StepBoundaries, RunSummary):
 
             # Added before the module tracker: the tracker's stack is still empty when a root's call begins.
             module_calls.add(self._boundaries)
-            self._step_hook = register_optimizer_step_post_hook(module_calls.skip_in_dynamo(self._on_optimizer_step))
+            from tpudiag.collectors import step_points
+
+            # After the trace collector's window plan: a trigger window's first step is watched already.
+            self._step_hook = step_points.add(
+                self._on_optimizer_step, step_points.FOLLOW, "numerics", main_thread_only=False
+            )
             self._steps.t0 = time.perf_counter()
             self._steps.spent0 = self._mode.budget.spent()
             control.set_checker_clock(self._mode.budget.own_s)

@@ -119,15 +119,14 @@ class StepBoundaries:
             st.rewatch = True
             st.rewatches += 1
 
-    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if _is_compiling():
-            # Dynamo is tracing a compiled optimizer step: it must see nothing but this early return (the global
-            # hook stays registered for the whole capture, so its guard on the hook dict never changes).
-            return
+    def _on_optimizer_step(self, optimizer: Any) -> None:
+        """``step_points``' callback: never while Dynamo traces a compiled optimizer step."""
         # Every step: a plain try (``internal_errors.guard``, a generator context manager, cost ~5 us a step).
         try:
             self._opt_steps += 1
-            self._boundary()
+            mode = self._mode
+            if mode is not None and mode.active and not self._quiet_boundary(mode, self._steps, time.perf_counter()):
+                self._boundary()
         except Exception as err:
             internal_errors.current().record("numerics", "optimizer step hook", err)
 
@@ -219,9 +218,18 @@ class StepBoundaries:
         if st.watching or st.rewatch or st.unmeasured or st.plain_s is None or self._entered or mode.spent_calls:
             return False
         step = st.step + 1
-        if st.schedule.wants(step) or control.numerics_wanted():
+        if st.schedule.wants(step) or control.STATE.numerics_wanted:
             return False
-        self._unwatched_step_done(st, mode.budget, now - st.t0)
+        # ``_unwatched_step_done`` and ``_replay`` inlined for the case here (no watched step waits to be charged).
+        took = now - st.t0
+        if took < st.plain_s:
+            st.plain_s = took
+        reason = st.reason
+        if st.profile and self._recorder is not None:
+            if not st.pending_replays:
+                st.pending_seq = mode.seq
+            st.pending_replays[reason] = st.pending_replays.get(reason, 0) + 1
+        st.unwatched[reason] = st.unwatched.get(reason, 0) + 1
         if mode.step_calls:
             mode.step_calls = {}
         st.step = step

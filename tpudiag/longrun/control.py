@@ -52,12 +52,14 @@ class _State:
 
 
 _state = _State()
+STATE = _state  # the same object for the whole process (reset in place): the pulse reads its counters without a call
 
 
 def activate() -> None:
     """A capture with trace windows starts in this process."""
-    global _state
-    _state = _State()
+    counts = _state.compiles, _state.recompiles, _state.graph_breaks  # "so far in this process": kept
+    _state.__init__()  # type: ignore[misc]
+    _state.compiles, _state.recompiles, _state.graph_breaks = counts
     _state.active = True
 
 
@@ -80,6 +82,11 @@ def request(reason: str, steps: int | None = None, numerics: bool = True, detail
         return False
     _state.pending.append(WindowRequest(reason, steps, numerics, detail))
     return True
+
+
+def requested() -> bool:
+    """Whether a request waits to be taken."""
+    return bool(_state.pending)
 
 
 def take() -> list[WindowRequest]:
@@ -129,17 +136,17 @@ def compile_detail() -> str | None:
 
 # The numerics checker's cumulative own seconds (its dispatch mode's time on the script's calls, checks included),
 # read by the pulse at each step's end: a step's checker time is tpudiag's own time, never the script's slowness.
-_checker_clock: Callable[[], float] | None = None
+checker_clock: Callable[[], float] | None = None
 
 
 def set_checker_clock(clock: Callable[[], float] | None) -> None:
-    global _checker_clock
-    _checker_clock = clock
+    global checker_clock
+    checker_clock = clock
 
 
 def checker_seconds() -> float:
     """Seconds the numerics checker has spent so far in this process (0 without one)."""
-    clock = _checker_clock
+    clock = checker_clock
     if clock is None:
         return 0.0
     try:
@@ -153,30 +160,30 @@ def checker_seconds() -> float:
 # steps often enough to fire slow_step windows of tpudiag's making.  Their work's cumulative ns (work in progress
 # included) is read by the pulse at each step's end, and a step is judged without the part of it they overlapped.
 _bg_lock = threading.Lock()
-_bg_done_ns = 0
-_bg_running: dict[int, int] = {}  # thread id -> when its current unit of work began
+bg_done_ns = 0
+bg_running: dict[int, int] = {}  # thread id -> when its current unit of work began
 
 
 @contextlib.contextmanager
 def background_work() -> Iterator[None]:
     """Around one unit of a background thread's work (a flush, a write)."""
-    global _bg_done_ns
+    global bg_done_ns
     key, t0 = threading.get_ident(), time.perf_counter_ns()
     with _bg_lock:
-        _bg_running[key] = t0
+        bg_running[key] = t0
     try:
         yield
     finally:
         with _bg_lock:  # the total first: a reader that finds no unit running then finds this one counted
-            _bg_done_ns += time.perf_counter_ns() - t0
-            _bg_running.pop(key, None)
+            bg_done_ns += time.perf_counter_ns() - t0
+            bg_running.pop(key, None)
 
 
 def background_ns() -> int:
     """Nanoseconds tpudiag's background threads have worked so far in this process (a unit in progress counts up
     to now)."""
-    if not _bg_running:  # most steps: no unit in progress, and reading an int is atomic under the GIL (no lock)
-        return _bg_done_ns
+    if not bg_running:  # most steps: no unit in progress, and reading an int is atomic under the GIL (no lock)
+        return bg_done_ns
     now = time.perf_counter_ns()
     with _bg_lock:
-        return _bg_done_ns + sum(now - t0 for t0 in _bg_running.values())
+        return bg_done_ns + sum(now - t0 for t0 in bg_running.values())

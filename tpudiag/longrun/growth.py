@@ -1,7 +1,7 @@
 """When memory growth asks for a ``memory`` trace window (pure: the figures are passed in).
 
 Growth is judged on the *lowest* live bytes of each run of ``span`` steps (on fast steps the latest reading, taken
-every 10 ms: ``tpudiag.longrun.stride``), not on single readings: a trace window,
+every 50 ms: ``tpudiag.longrun.stride``), not on single readings: a trace window,
 a checked stretch or one large temporary raises a reading for a few steps and falls back, while a leak raises the
 floor under every step.  Judging single readings set off ``memory`` windows of tpudiag's own making (each window's
 profiler and checker memory lifted the host RSS past the threshold, and the next window did it again).

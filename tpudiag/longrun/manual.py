@@ -40,14 +40,14 @@ class Poller:
         self._folders = folders
         self._mtimes: dict[Path, int] = {}
         self._seen: set[str] = set()
-        self._next_s = clock_s + POLL_S
+        self.next_s = clock_s + POLL_S
 
     def due(self, now_s: float) -> bool:
-        return now_s >= self._next_s
+        return now_s >= self.next_s
 
     def poll(self, now_s: float) -> list[dict[str, Any]]:
         """New requests since the last poll (cheap when nothing changed: one stat per folder)."""
-        self._next_s = now_s + POLL_S
+        self.next_s = now_s + POLL_S
         found: list[dict[str, Any]] = []
         for folder in self._folders:
             try:

@@ -54,6 +54,21 @@ class WindowSchedule:
         assert self.every_s is not None
         return now_s - last_end_s >= self.every_s and step >= window_steps_after
 
+    def not_before(self, step: int, window_steps_after: int, last_end_s: float, cycles: int) -> tuple[float, float]:
+        """(first step, first time) before either of which ``due`` is false for every step from ``step`` on, the
+        other arguments as they stand (a step's end may then skip asking): ``due`` needs both reached."""
+        never = (float("inf"), float("inf"))
+        if self.repeat and cycles >= self.repeat:
+            return never
+        if self.wait is not None:
+            start = max(self.first_steps, self.skip_first)
+            cycle = self.wait + self.steps
+            if step <= start:
+                return (start + self.wait, float("-inf"))
+            return (step + (self.wait - (step - start)) % cycle, float("-inf"))
+        assert self.every_s is not None
+        return (window_steps_after, last_end_s + self.every_s)
+
 
 def parse(spec: str | None, first_steps: int = FIRST_STEPS, first_s: float = FIRST_S) -> WindowSchedule:
     """``wait=..,warmup=..,active=..,repeat=..`` or ``every=120s,active=5`` -> a schedule; UsageError if bad."""

@@ -1,10 +1,11 @@
 """Per-step readings thinned out on fast steps (issue 21: the pulse costs at most about 1% of a step).
 
 A reading that touches the device or the kernel (the pulse's gradient check, the memory collector's sample) costs
-10-25 us on a step whose caches the script has just filled: on a 1.5 ms step that is 1-2% each.  So, after the
-first window's steps (every step read, as a short script always was), a reading is taken only when ``every_s`` has
-passed since the last one: every step of a job whose steps take 10 ms or more, about one step in seven of a 1.5 ms
-loop.  A step without a reading records None (unknown), never a copied value.
+10-50 us on a step whose caches the script has just filled: on a 1.5 ms step that is 1-3% each.  So, after the
+first window's steps (every step read, as a short script always was), a reading is taken only when ``every_s``
+(50 ms) has passed since the last one: every step of a job whose steps take 50 ms or more, about one step in thirty
+of a 1.5 ms loop.  (Every 10 ms, the two readings still cost ~0.6% of the bench loop's step.)  A step without a
+reading records None (unknown), never a copied value.
 
 What a reading watches for lasts (a NaN in a gradient reaches every parameter through the update, a leak stays),
 so a thinned reading finds it at most ``every_s`` later.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from tpudiag.longrun.schedule import FIRST_STEPS
 
-EVERY_S = 0.01
+EVERY_S = 0.05
 
 
 @dataclass

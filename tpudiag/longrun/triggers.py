@@ -53,9 +53,18 @@ class SlowSteps:
 
     def fires(self, dur_s: float) -> bool:
         """``check``, and whether this outlier should open a window: it repeats one of the last ``REPEAT_WITHIN``
-        steps, or it is ``FAR_FACTOR`` x the median."""
+        steps, or it is ``FAR_FACTOR`` x the median.  (Every step of a run: the common step, not an outlier, is
+        ``check``'s first branch inlined.)"""
         median = self.median_s
         self._steps += 1
+        if median is not None and (dur_s <= self.factor * median or dur_s - median <= self.min_extra_s):
+            self.recent.append(dur_s)
+            self._since += 1
+            if self._since >= MEDIAN_EVERY:
+                ordered = sorted(self.recent)
+                self.median_s = ordered[len(ordered) // 2]
+                self._since = 0
+            return False
         if not self.check(dur_s):
             return False
         repeat = self._last_slow is not None and self._steps - self._last_slow <= REPEAT_WITHIN

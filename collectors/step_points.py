@@ -1,0 +1,92 @@
+"""One optimizer post-hook for every collector that acts at a step's end (issue 21: the pulse's per-step cost).
+
+The memory collector's reading, the trace collector's pulse and window plan, and the numerics collector's step
+boundary each registered a global optimizer post-hook of their own.  Each paid its entry from torch's hook loop, its
+own ``torch.compiler.is_compiling()`` and thread checks, and inside a training step whose caches the script has
+just filled every such call is a cache miss: 1-2 us each on the long-run bench's 1.5-2.5 ms step, where the whole
+pulse may cost 1%.  Here one hook, registered with the first callback and removed with the last, checks once and
+calls the callbacks in a fixed order:
+
+- ``READ``: readings the step's pulse record carries (the memory collector's sample, published to
+  ``tpudiag.longrun.probes``);
+- ``PULSE``: the trace collector (the step's record, its triggers, the window plan);
+- ``FOLLOW``: what acts on the plan's decision for the next step (the numerics collector watches a trigger window's
+  first step).
+
+A callback gets the optimizer.  ``main_thread_only`` callbacks are skipped when a step ends on another thread.  One
+that raises is recorded in ``tpudiag.internal_errors`` and the others still run.  While Dynamo traces a compiled
+optimizer step the hook returns at once, before reading any tpudiag state (and Dynamo skips its frame and all it
+calls): the hook dict it guards on holds the same single hook for the whole capture.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tpudiag import internal_errors
+
+READ = 0
+PULSE = 10
+FOLLOW = 20
+
+Callback = Callable[[Any], None]
+
+_lock = threading.Lock()
+_callbacks: tuple[tuple[Callback, bool, str], ...] = ()  # (callback, main_thread_only, name), in order
+_entries: list[tuple[int, int, Callback, bool, str]] = []  # (order, serial, ...): the source of ``_callbacks``
+_serial = 0
+_hook: Any = None  # torch's handle of the one registered hook
+_main_ident = threading.main_thread().ident
+
+
+@dataclass(frozen=True)
+class StepEndHandle:
+    serial: int
+
+    def remove(self) -> None:
+        global _callbacks, _hook
+        with _lock:
+            _entries[:] = [e for e in _entries if e[1] != self.serial]
+            _callbacks = tuple((fn, main, name) for _, _, fn, main, name in _entries)
+            if not _entries and _hook is not None:
+                hook, _hook = _hook, None
+                hook.remove()
+
+
+def add(callback: Callback, order: int, name: str, main_thread_only: bool = True) -> StepEndHandle:
+    """Call ``callback(optimizer)`` at the end of every optimizer step, after the callbacks of lower ``order`` (and
+    of the same order added before it)."""
+    global _callbacks, _hook, _serial
+    with _lock:
+        if _hook is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            from tpudiag.collectors import module_calls
+
+            _hook = register_optimizer_step_post_hook(module_calls.skip_in_dynamo(_on_step_end))
+        _serial += 1
+        _entries.append((order, _serial, callback, main_thread_only, name))
+        _entries.sort(key=lambda e: (e[0], e[1]))
+        _callbacks = tuple((fn, main, label) for _, _, fn, main, label in _entries)
+        return StepEndHandle(_serial)
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def _on_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if _is_compiling():
+        return
+    main = threading.get_ident() == _main_ident
+    for callback, main_only, name in _callbacks:
+        if main_only and not main:
+            continue
+        try:
+            callback(optimizer)
+        except Exception as err:  # never into the user's optimizer step
+            internal_errors.current().record("step hooks", name, err)
