@@ -202,6 +202,22 @@ def test_an_idle_plan_skips_its_steps_and_opens_the_same_windows_as_one_that_ask
         assert quiet > 1000  # most steps skipped (the time form's are skipped by time, not by step)
 
 
+def test_a_new_capture_keeps_the_process_compile_counts_its_pulse_started_from() -> None:
+    """``compile_counts`` are "so far in this process": a second capture's ``activate`` must not reset them under the
+    pulse, which took its baseline before (its first records read negative compile deltas)."""
+    control.activate()
+    control.compile_event("compile")
+    control.compile_event("recompile", "x")
+    before = control.compile_counts()
+    control.deactivate()
+    control.activate()
+    try:
+        assert control.compile_counts() == before
+        assert not control.STATE.pending and control.STATE.active
+    finally:
+        control.deactivate()
+
+
 def test_requests_are_dropped_when_no_capture_runs_and_bad_reasons_refused() -> None:
     control.deactivate()
     assert control.request("manual") is False
