@@ -1,6 +1,7 @@
 """The memory collector: per-step memory figures, and the diagnosis of an out-of-memory error that ends the script.
 
-- **Per step** (at every optimizer step's end, a global post hook as the trace collector uses): ``MemorySampler``
+- **Per step** (at every optimizer step's end, through the capture's one optimizer post-hook,
+  ``collectors/step_points.py``, first of its callbacks): ``MemorySampler``
   figures (device allocator, libtpu, process RSS) with their sources, kept in a small buffer and spooled at each
   flush (``memory_steps``, origin "sampler").  The pulse of long runs can call ``MemorySampler.sample`` itself.
 - **Per module and op**: the trace collector's ``profile_memory`` option records the allocator's events;
