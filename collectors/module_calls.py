@@ -19,7 +19,7 @@ Instead ``nn.Module.__call__`` is wrapped here, once, for every listener:
 - A listener that raises is recorded in ``tpudiag.internal_errors`` and skipped; the module call goes on.
 
 A listener has ``enter(module, args, kwargs) -> token`` and ``exit(module, token, output, failed)``.  Listeners
-enter in the order they were added and exit in reverse.
+enter in the order they were added and exit in reverse; a token ``NO_EXIT`` skips the listener's exit.
 
 A listener whose ``roots_only`` attribute is true needs only root calls (the outermost module call on a thread: a
 step's start).  While every listener says so, a nested call costs the wrapper a depth check and nothing else (on
@@ -45,7 +45,9 @@ class Listener(Protocol):
     def exit(self, module: torch.nn.Module, token: Any, output: Any, failed: bool) -> None: ...
 
 
-_FAILED = object()
+# A listener's ``enter`` may return NO_EXIT: its ``exit`` is not called for that call (a listener with nothing to do
+# on exit saves the call).  A listener whose ``enter`` raised is treated the same way.
+NO_EXIT = _FAILED = object()
 _lock = threading.Lock()
 _listeners: tuple[Listener, ...] = ()
 _original: Callable[..., Any] | None = None

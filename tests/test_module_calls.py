@@ -96,3 +96,18 @@ def test_an_exception_inside_a_nested_call_leaves_the_depth_at_zero() -> None:
     finally:
         module_calls.remove(roots)
     assert roots.entered == ["Sequential", "Sequential", "Linear"] and roots.exited == roots.entered
+
+
+def test_a_listener_that_enters_with_no_exit_is_not_exited_and_the_others_are() -> None:
+    class EnterOnly(Recorder):
+        def enter(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+            super().enter(module, args, kwargs)
+            return module_calls.NO_EXIT
+
+        def exit(self, module: torch.nn.Module, token: Any, output: Any, failed: bool) -> None:
+            self.exited.append(type(module).__name__)
+
+    quiet, every = EnterOnly(roots_only=False), Recorder(roots_only=False)
+    _run(quiet, every)
+    assert quiet.entered == every.entered and len(every.entered) == 10
+    assert quiet.exited == [] and sorted(every.exited) == sorted(every.entered)

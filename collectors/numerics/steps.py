@@ -15,6 +15,7 @@ import torch
 
 from tpudiag import internal_errors
 from tpudiag.collectors import module_calls
+from tpudiag.collectors.numerics.sampling import CHECK_STEP_S
 from tpudiag.longrun import control, heap
 from tpudiag.longrun.schedule import FIRST_STEPS
 
@@ -218,7 +219,10 @@ class StepBoundaries:
         if st.watching or st.rewatch or st.unmeasured or st.plain_s is None or self._entered or mode.spent_calls:
             return False
         step = st.step + 1
-        if st.schedule.wants(step) or control.STATE.numerics_wanted:
+        sch = st.schedule  # ``StepSchedule.wants``, inlined
+        if sch.watch_all or step < sch.warmup or not sch.steady or step % sch.every == 0:
+            return False
+        if control.STATE.numerics_wanted:
             return False
         # ``_unwatched_step_done`` and ``_replay`` inlined for the case here (no watched step waits to be charged).
         took = now - st.t0
@@ -234,10 +238,18 @@ class StepBoundaries:
             mode.step_calls = {}
         st.step = step
         st.background_step = st.boost_step = False
-        mode.sampler.begin_step(False, False, capped=st.schedule.settled and step >= FIRST_STEPS, now=now)
+        sampler = mode.sampler  # ``Sampler.begin_step(False, False, capped, now)``, inlined
+        sampler.boost = sampler.recheck = False
+        capped = sch.settled and step >= FIRST_STEPS and sampler.options.mode != "all"
+        sampler.check_until = now + CHECK_STEP_S if capped else None
         st.reason = "steady_state"
         st.partial = False
-        self._step_started(mode, st)
+        # ``_step_started``, inlined
+        st.signatures0 = len(sampler.counts)
+        st.t0 = time.perf_counter()
+        budget = mode.budget
+        st.spent0 = budget.spent()
+        st.check0 = budget.check_s
         return True
 
     def _unwatched_step_done(self, st: StepState, budget: Any, took: float) -> None:
@@ -305,12 +317,13 @@ class ModuleBoundaries:
         """Root calls are enough (the input probe) unless ``_on_module`` watches module boundaries."""
         return not self._collector._module_hook_on
 
-    def enter(self, module: Any, args: Any, kwargs: Any) -> None:
+    def enter(self, module: Any, args: Any, kwargs: Any) -> Any:
         c = self._collector
         if id(module) in c._probes:
             c._probe(module, args, kwargs)
         if c._module_hook_on:
             c._on_module(module, args)
+        return module_calls.NO_EXIT  # nothing to do on exit: not called
 
     def exit(self, module: Any, token: Any, output: Any, failed: bool) -> None:
         return None
