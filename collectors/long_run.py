@@ -37,6 +37,8 @@ class LongRunMixin:
     _tracker: Any
     _trace_dir: Path
     _tpu: Any
+    _step_ended: bool
+    _in_step: bool
 
     name: str
 
@@ -78,6 +80,10 @@ class LongRunMixin:
 
     # -- every step (training thread) -------------------------------------------------------------------------
     def _step_end(self, optimizer: Any) -> None:
+        """``step_points``' callback (main thread, never while Dynamo traces): the step boundary the trace collector
+        acts on at the next root forward (``_after_optimizer_step``, inlined), the pulse's record, the window plan."""
+        self._step_ended = True
+        self._in_step = False
         pulse = self._pulse
         try:
             _, fired = pulse.step_end(optimizer)

@@ -155,7 +155,8 @@ class TraceCollector(LongRunMixin):
             self._tracker.install()
             from tpudiag.collectors import step_points
 
-            self._hooks.append(step_points.add(self._after_optimizer_step, step_points.PULSE, "trace"))
+            on_step_end = self._step_end if self._pulse is not None else self._after_optimizer_step
+            self._hooks.append(step_points.add(on_step_end, step_points.PULSE, "trace"))
             self._patch_user_sessions()
             from tpudiag.collectors import tpu_profiler
 
@@ -219,15 +220,14 @@ class TraceCollector(LongRunMixin):
     # -- profiler sessions ------------------------------------------------------------------------------------
     def _after_optimizer_step(self, optimizer: Any) -> None:
         """Mark a step boundary (``step_points``: on the main thread, never while Dynamo traces); the chunk is cut
-        at the next root-module forward if it is old enough.
+        at the next root-module forward if it is old enough.  (With a pulse, ``_step_end`` is the callback itself,
+        and marks the boundary the same way.)
 
         Not here: the optimizer's own ``Optimizer.step#`` range is still open, and a profiler range that spans two
         sessions corrupts Kineto's heap (seen on torch 2.13).
         """
         self._step_ended = True
         self._in_step = False
-        if self._pulse is not None:
-            self._step_end(optimizer)
 
     def _chunk_due(self) -> bool:
         return (

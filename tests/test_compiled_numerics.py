@@ -645,3 +645,57 @@ def test_a_graphs_first_calls_are_checked_after_its_compile_used_the_steps_check
     plain, _ = _checks_in_a_long_loop(tmp_path, 20)
     late, refused = _checks_in_a_long_loop(tmp_path, 20, recheck=True, check_until=time.perf_counter() - 1.0)
     assert late == plain and refused >= 1  # every first call checked, the re-checks held
+
+
+@pytest.mark.parametrize("make_opt", ["adamw", "sgd_momentum"])
+def test_a_compiled_optimizer_step_is_left_unchecked_and_its_state_untouched(tmp_path: Path, make_opt: str) -> None:
+    """``torch.compile(opt.step)``: Dynamo reaches the parameters and the optimizer's state as graph attributes, not
+    inputs, and the graph updates them in place.  No replay can start from the call's inputs, and a reference replay
+    of the graph would update the script's tensors again: such a graph is skipped as ``mutates_state`` (it had raised
+    a dtype error on every check of an AdamW step), and the run is bitwise the one without the checker."""
+
+    def run() -> Any:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        if make_opt == "adamw":
+            opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        step = torch.compile(opt.step, backend="eager")
+        losses = []
+        for _ in range(4):
+            loss = model(torch.randn(8, 16)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            step()
+            losses.append(loss.detach().clone())
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        moments = [t.clone() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        state.update({f"moment{i}": t for i, t in enumerate(moments)})
+        return losses, state, {k: dict(v) for k, v in counters.items()}, torch.rand(3)
+
+    plain = run()
+    checked, summary, ops, diffs = _checked(tmp_path, run)
+    _same(plain, checked)
+    assert not summary["errors"], summary["errors"]
+    skipped = {o.skip_reason for o in ops if o.region == "compiled_graph" and not o.checked}
+    assert "mutates_state" in skipped and not diffs
+
+
+def test_mutated_attributes_are_found_through_views_and_foreach_lists() -> None:
+    import operator
+
+    holder = torch.nn.Module()
+    for name in ("a", "b", "c"):
+        holder.register_buffer(name, torch.zeros(4))
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    view = g.call_function(operator.getitem, (g.get_attr("a"), slice(0, 2)))
+    g.call_method("add_", (view, 1))  # through a view
+    g.call_function(torch._foreach_mul_, ([g.get_attr("b")], 2.0))  # a foreach op's list
+    g.output(g.call_function(operator.add, (x, g.get_attr("c"))))  # read only
+    gm = torch.fx.GraphModule(holder, g)
+    assert sorted(graph_oracle.mutated_attributes(gm)) == ["a", "b"]
+    assert graph_oracle.mutated_attributes(torch.fx.symbolic_trace(torch.nn.Linear(2, 2))) == []

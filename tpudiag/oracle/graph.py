@@ -110,6 +110,57 @@ def collectives(gm: torch.fx.GraphModule) -> list[str]:
     return found
 
 
+_VIEWS = {
+    "view", "reshape", "select", "narrow", "__getitem__", "getitem", "t", "transpose", "permute", "expand",
+    "unsqueeze", "squeeze", "as_strided", "detach", "flatten", "unflatten", "view_as", "movedim", "unbind", "split",
+    "chunk",
+}  # fmt: skip
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return str(schema.name).split("::")[-1]
+    return str(getattr(target, "__name__", target))
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return bool(schema.is_mutable)
+    name = _target_name(node)
+    return (name.endswith("_") and not name.endswith("__")) or name == "setitem" or "out" in node.kwargs
+
+
+def mutated_attributes(gm: torch.fx.GraphModule) -> list[str]:
+    """The graph's attribute tensors (``get_attr``: state Dynamo reached outside the call's inputs, as a compiled
+    optimizer step's parameters and its moments) that the graph writes in place, directly or through a view.
+
+    Such a graph cannot be replayed from its call's inputs: its state is not among them (a float64 copy would hold
+    the values of the first check, stale by the next step), and a reference replay of the graph itself would write
+    the script's own tensors a second time."""
+    aliases = {n: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}  # node -> the attribute it is
+    if not aliases:
+        return []
+    found: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or not node.args:
+            continue
+        first = node.args[0]
+        targets = first if isinstance(first, (list, tuple)) else [first]
+        hit = [aliases[t] for t in targets if isinstance(t, torch.fx.Node) and t in aliases]
+        if not hit:
+            continue
+        if _writes(node):
+            found += [name for name in hit if name not in found]
+        elif _target_name(node) in _VIEWS and len(hit) == 1:
+            aliases[node] = hit[0]
+    return found
+
+
 @dataclass
 class Replay:
     """What one replay of a graph produced."""

@@ -171,6 +171,10 @@ class CompiledChecker:
         cols = graph_oracle.collectives(info.ref)
         if cols:
             g.unverifiable = "collective"
+        elif graph_oracle.mutated_attributes(info.ref):
+            # A compiled optimizer step: it updates parameters and state it does not take as inputs.  Its replay
+            # would start from stale copies, and the eager reference would update the script's own tensors again.
+            g.unverifiable = "mutates_state"
         self.graphs.append(g)
         if compiled is None:
             g.unverifiable = "backend_failed"
