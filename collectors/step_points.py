@@ -44,6 +44,11 @@ _hook: Any = None  # torch's handle of the one registered hook
 _main_ident = threading.main_thread().ident
 
 
+def _ordered() -> tuple[tuple[Callback, bool, str], ...]:
+    """``_callbacks`` from ``_entries``: by order, then as added (under ``_lock``)."""
+    return tuple((fn, main, name) for _, _, fn, main, name in sorted(_entries, key=lambda e: (e[0], e[1])))
+
+
 @dataclass(frozen=True)
 class StepEndHandle:
     serial: int
@@ -52,7 +57,7 @@ class StepEndHandle:
         global _callbacks, _hook
         with _lock:
             _entries[:] = [e for e in _entries if e[1] != self.serial]
-            _callbacks = tuple((fn, main, name) for _, _, fn, main, name in _entries)
+            _callbacks = _ordered()
             if not _entries and _hook is not None:
                 hook, _hook = _hook, None
                 hook.remove()
@@ -71,8 +76,7 @@ def add(callback: Callback, order: int, name: str, main_thread_only: bool = True
             _hook = register_optimizer_step_post_hook(module_calls.skip_in_dynamo(_on_step_end))
         _serial += 1
         _entries.append((order, _serial, callback, main_thread_only, name))
-        _entries.sort(key=lambda e: (e[0], e[1]))
-        _callbacks = tuple((fn, main, label) for _, _, fn, main, label in _entries)
+        _callbacks = _ordered()
         return StepEndHandle(_serial)
 
 
