@@ -113,8 +113,6 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return original(self, *args, **kwargs)
     local = _local
     depth = getattr(local, "depth", 0)
-    if depth and _roots_only:
-        return original(self, *args, **kwargs)
     tokens = _enter_all(listeners, self, args, kwargs)
     local.depth = depth + 1
     try:
