@@ -26,6 +26,19 @@ step's start).  While every listener says so, a nested call costs the wrapper a 
 the long-run bench loop the listeners' work on every call of every step was ~4% of the step time); a listener that
 changes its mind calls ``refresh()``.  Calls are entered and exited in pairs whatever changes in between: a call
 entered on the fast path is never exited, and one entered is always exited.
+
+Known roots only (the steady state of a long run).  Even skipped, a nested call paid the wrapper's frame: ~0.6 us,
+~10 us a step of the long-run bench's 15-module forward, as much as the pulse's whole budget (issue 21), and a
+transformer's forward makes hundreds.  While every listener is ``roots_only`` and also ``known_roots`` (the root
+calls of classes already seen as roots are enough: the trace collector between windows, the numerics collector
+between watched steps), ``nn.Module.__call__`` is torch's own again and only the classes seen as roots get the
+wrapper as their ``__call__``: nested calls of other classes cost nothing.  A root of a class not seen before is
+then not entered; the next refresh that needs every call (a trace window, a watched numerics step) puts the
+wrapper back on ``nn.Module`` and learns it.  Classes that define a ``__call__`` of their own (``OptimizedModule``)
+keep the wrapper on ``nn.Module`` (a compiled root's nested calls are compiled code and reach no ``__call__``).
+Dynamo never sees the class wrappers either: a compile's start takes them off with the ``nn.Module`` one, and they
+guard nothing (no recompile when they come or go, tested).  In class mode the wrapper hands a call to whatever
+``nn.Module.__call__`` is then (torch's, or a tracer's own patch such as ``torch.fx``'s), never past it.
 """
 
 from __future__ import annotations
@@ -54,7 +67,13 @@ _original: Callable[..., Any] | None = None
 _compiling = 0  # Dynamo compiles in progress (the original __call__ is in place meanwhile)
 _callbacks: tuple[Any, Any] | None = None
 _roots_only = False  # every listener needs only root calls (``refresh``)
+_known_roots = False  # ... and only those of classes already seen as roots (class mode allowed)
 _local = threading.local()  # ``depth``: eager module calls in progress on this thread
+_Module = torch.nn.Module
+MAX_ROOT_CLASSES = 64  # more distinct root classes than this: the wrapper stays on nn.Module
+_root_classes: dict[type[Any], bool] = {}  # classes seen as roots -> whether their ``__call__`` is torch's
+_patched: list[type[Any]] = []  # classes given the wrapper as their ``__call__`` (class mode)
+_class_mode = False  # nn.Module.__call__ is not the wrapper; the classes in ``_patched`` have it
 
 
 def add(listener: Listener) -> None:
@@ -87,8 +106,15 @@ def refresh() -> None:
 
 
 def _refresh_locked() -> None:
-    global _roots_only
+    global _roots_only, _known_roots
     _roots_only = bool(_listeners) and all(getattr(x, "roots_only", False) for x in _listeners)
+    _known_roots = _roots_only and all(getattr(x, "known_roots", False) for x in _listeners)
+    _apply_mode_locked()
+
+
+def class_mode() -> bool:
+    """Whether only the classes seen as roots have the wrapper now (see the module's docstring)."""
+    return _class_mode
 
 
 def installed() -> bool:
@@ -102,19 +128,35 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         # (``depth`` only tells an entered call is in progress on this thread; the entered call restores it).
         # This comes before the compiling check, which cost as much as the rest of this path (~0.5 us a call):
         # a call is entered only when nothing compiles, and calls inside it take torch's own path either way.
+        if _class_mode:
+            inner = _Module.__call__
+            return (inner if inner is not _call else _original or _torch_call)(self, *args, **kwargs)
         return (_original or _torch_call)(self, *args, **kwargs)
+    if _class_mode:
+        # The wrapper is this class's ``__call__``: on to whatever nn.Module's is now (a tracer may have patched it).
+        original = _Module.__call__
+        if original is _call:
+            original = _original or _torch_call
+    else:
+        original = _original or _torch_call
     if torch.compiler.is_compiling():
         # Tracing under ``torch.export`` (non-strict) or Dynamo, were it ever to trace this function (it should
         # not: see the module's docstring): torch's own __call__, with nothing entered.
-        return _torch_call(self, *args, **kwargs)
-    original = _original or _torch_call
+        return (original if _class_mode else _torch_call)(self, *args, **kwargs)
     listeners = _listeners
     if not listeners:
         return original(self, *args, **kwargs)
     local = _local
     depth = getattr(local, "depth", 0)
+    if not depth and type(self) not in _root_classes:
+        _note_root(type(self))
     tokens = _enter_all(listeners, self, args, kwargs)
     local.depth = depth + 1
+    if tokens is None:  # no listener wants this call's exit
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            local.depth = depth
     try:
         output = original(self, *args, **kwargs)
     except BaseException:
@@ -128,15 +170,19 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _enter_all(
     listeners: tuple[Listener, ...], module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[Any]:
+) -> list[Any] | None:
+    """The listeners' tokens, or None when none wants this call's exit."""
     tokens: list[Any] = []
+    exits = False
     for listener in listeners:
         try:
-            tokens.append(listener.enter(module, args, kwargs))
+            token = listener.enter(module, args, kwargs)
         except Exception as err:
             internal_errors.current().record("module hooks", f"{type(listener).__name__}.enter", err)
-            tokens.append(_FAILED)
-    return tokens
+            token = _FAILED
+        tokens.append(token)
+        exits = exits or token is not _FAILED
+    return tokens if exits else None
 
 
 def _exit_all(
@@ -173,6 +219,8 @@ def _uninstall() -> None:
     global _original
     if _original is None:
         return
+    _leave_class_mode_locked()
+    _root_classes.clear()
     if torch.nn.Module.__call__ is _call:
         torch.nn.Module.__call__ = _original  # type: ignore[method-assign]
     _unregister_compile_callbacks()
@@ -184,6 +232,7 @@ def _on_compile_start(*_args: Any) -> None:
     try:
         with _lock:
             _compiling += 1
+            _leave_class_mode_locked()
             if _original is not None and torch.nn.Module.__call__ is _call:
                 torch.nn.Module.__call__ = _original  # type: ignore[method-assign]
     except Exception as err:
@@ -197,8 +246,86 @@ def _on_compile_end(*_args: Any) -> None:
             _compiling = max(0, _compiling - 1)
             if not _compiling and _original is not None and torch.nn.Module.__call__ is _original:
                 torch.nn.Module.__call__ = _call  # type: ignore[method-assign]
+                _apply_mode_locked()
     except Exception as err:
         internal_errors.current().record("module hooks", "compile end callback", err)
+
+
+# -- class mode (known roots only) ----------------------------------------------------------------------------
+def _torch_owned(cls: type[Any]) -> bool:
+    """No class between ``cls`` and nn.Module defines a ``__call__`` (other than the wrapper)."""
+    for klass in cls.__mro__:
+        if klass is _Module:
+            return True
+        own = klass.__dict__.get("__call__")
+        if own is not None and own is not _call:
+            return False
+    return False
+
+
+def _note_root(cls: type[Any]) -> None:
+    """A root call of a class not seen as a root before (rare: once per class)."""
+    try:
+        with _lock:
+            if cls not in _root_classes and len(_root_classes) <= MAX_ROOT_CLASSES:  # one past: no class mode
+                _root_classes[cls] = _torch_owned(cls)
+                _apply_mode_locked()
+    except Exception as err:
+        internal_errors.current().record("module hooks", "note a root class", err)
+
+
+def _apply_mode_locked() -> None:
+    """Class mode while every listener allows it and every root class seen can carry the wrapper, else the
+    wrapper on nn.Module (under ``_lock``)."""
+    wanted = (
+        _known_roots
+        and not _compiling
+        and _original is not None
+        and 0 < len(_root_classes) <= MAX_ROOT_CLASSES
+        and all(_root_classes.values())
+    )
+    if wanted and not _class_mode:
+        _enter_class_mode_locked()
+    elif not wanted and _class_mode:
+        _leave_class_mode_locked()
+
+
+def _enter_class_mode_locked() -> None:
+    global _class_mode
+    if _Module.__call__ is not _call:
+        return  # somebody else's patch sits on ours: leave it be
+    try:
+        for cls in _root_classes:  # the classes first: their root calls are entered all along
+            if "__call__" not in cls.__dict__:
+                cls.__call__ = _call  # type: ignore[method-assign]
+                _patched.append(cls)
+    except Exception as err:
+        internal_errors.current().record("module hooks", "class mode", err)
+        _unpatch_classes()
+        return
+    _Module.__call__ = _original  # type: ignore[method-assign,assignment]
+    _class_mode = True
+
+
+def _leave_class_mode_locked() -> None:
+    """Back to the wrapper on nn.Module (unless a compile is running or another patch sits there)."""
+    global _class_mode
+    if not _class_mode:
+        return
+    _class_mode = False
+    if not _compiling and _original is not None and _Module.__call__ is _original:
+        _Module.__call__ = _call  # type: ignore[method-assign]
+    _unpatch_classes()
+
+
+def _unpatch_classes() -> None:
+    while _patched:
+        cls = _patched.pop()
+        try:
+            if cls.__dict__.get("__call__") is _call:
+                delattr(cls, "__call__")
+        except Exception as err:
+            internal_errors.current().record("module hooks", "class mode", err)
 
 
 def _register_compile_callbacks() -> None:

@@ -137,6 +137,7 @@ class ModuleTracker:
         # Only root calls wanted (``module_calls``): the trace collector between trace windows.  Module paths and
         # sources are then learnt for roots only; the next window's calls learn the rest.
         self.roots_only = False
+        self.known_roots = True  # roots of classes seen as roots are enough then (``module_calls``' class mode)
         self.sources: dict[str, str] = {}
         self._class_sources: dict[type[Any], str | None] = {}
         self._root: Callable[[], torch.nn.Module | None] = _nothing  # the last root module called (weakly)
@@ -214,6 +215,8 @@ class ModuleTracker:
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._stack()
+        if not stack and self.roots_only and getattr(module_calls._local, "depth", 0) > 0:
+            return module_calls.NO_EXIT  # nested in a root call not kept (below): nothing to track
         is_root = not stack
         if is_root and self._root() is module:
             path = self._root_path  # every step's root call (its source was noted when its path was first found)
@@ -232,6 +235,10 @@ class ModuleTracker:
             except Exception as err:  # a collector's bookkeeping must never break the user's forward
                 internal_errors.current().record("module hooks", f"enter {path}", err)
                 token = None
+        if is_root and token is None and self.roots_only:
+            # Between trace windows (``roots_only`` still, after ``on_enter``, which may have opened one): no
+            # nested call will ask for the stack, and nothing is to be done at the exit.
+            return module_calls.NO_EXIT
         stack.append((module, path, token))
         return module
 

@@ -111,3 +111,137 @@ def test_a_listener_that_enters_with_no_exit_is_not_exited_and_the_others_are() 
     _run(quiet, every)
     assert quiet.entered == every.entered and len(every.entered) == 10
     assert quiet.exited == [] and sorted(every.exited) == sorted(every.entered)
+
+
+# -- class mode: known roots only ---------------------------------------------------------------------------------
+class KnownRoots(Recorder):
+    known_roots = True
+
+
+class Inner(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).tanh()
+
+
+class Root(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+        self.out = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(x))
+
+
+class OwnCall(torch.nn.Module):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+@contextlib.contextmanager
+def _listening(*listeners: Recorder) -> Any:
+    for listener in listeners:
+        module_calls.add(listener)
+    try:
+        yield
+    finally:
+        for listener in listeners:
+            module_calls.remove(listener)
+    assert torch.nn.Module.__call__ is module_calls._torch_call and "__call__" not in Root.__dict__
+
+
+def test_known_roots_only_puts_the_wrapper_on_the_root_classes_and_takes_it_off_nn_module() -> None:
+    roots = KnownRoots(roots_only=True)
+    model, x = Root(), torch.randn(3, 4)
+    with _listening(roots):
+        model(x)  # the first root call of Root: learnt, then class mode
+        assert module_calls.class_mode()
+        assert torch.nn.Module.__call__ is module_calls._torch_call and Root.__dict__["__call__"] is module_calls._call
+        model(x)
+        assert roots.entered == ["Root", "Root"] and roots.exited == roots.entered
+        torch.nn.Linear(4, 4)(x)  # a root of a class not seen as a root: not entered in class mode
+        assert roots.entered == ["Root", "Root"]
+        roots.roots_only = False  # wanting every call again: the wrapper back on nn.Module, every call entered
+        module_calls.refresh()
+        assert not module_calls.class_mode() and torch.nn.Module.__call__ is module_calls._call
+        model(x)
+        assert roots.entered[2:] == ["Root", "Inner", "Linear", "Linear"]
+    assert not module_calls.class_mode()
+
+
+def test_a_listener_without_known_roots_or_a_root_with_its_own_call_keeps_the_wrapper_on_nn_module() -> None:
+    x = torch.randn(3, 4)
+    with _listening(KnownRoots(roots_only=True), Recorder(roots_only=True)):
+        Root()(x)
+        assert not module_calls.class_mode() and torch.nn.Module.__call__ is module_calls._call
+    roots = KnownRoots(roots_only=True)
+    with _listening(roots):
+        Root()(x)
+        assert module_calls.class_mode()
+        OwnCall()(x)  # a root of a class not learnt: not entered in class mode
+        assert roots.entered == ["Root"]
+        roots.roots_only = False  # every call wanted: the wrapper back on nn.Module, and the new root learnt
+        module_calls.refresh()
+        OwnCall()(x)
+        assert roots.entered == ["Root", "OwnCall"]
+        roots.roots_only = True  # a root class with a __call__ of its own: no class mode any more
+        module_calls.refresh()
+        assert not module_calls.class_mode() and "__call__" not in Root.__dict__
+        Root()(x)
+        OwnCall()(x)
+        assert roots.entered[2:] == ["Root", "OwnCall"]
+
+
+def test_class_mode_changes_no_compiled_graph_and_is_off_while_dynamo_compiles() -> None:
+    import torch._dynamo.utils as dynamo_utils
+
+    seen_while_compiling: list[tuple[bool, bool]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        seen_while_compiling.append((module_calls.class_mode(), "__call__" in Root.__dict__))
+        return gm.forward
+
+    def run(model: torch.nn.Module, fn: Any, x: torch.Tensor) -> list[Any]:
+        out = []
+        for i in range(4):
+            out.append(fn(model, x + i))
+            model(x)  # eager root calls between compiled ones
+            out.append(fn(model, x[:2] + i))  # a new shape: a recompile, in class mode
+        return out
+
+    torch.manual_seed(0)
+    model, x = Root(), torch.randn(3, 4)
+    torch._dynamo.reset()
+    before = dynamo_utils.counters["stats"]["unique_graphs"]
+    plain = run(model, torch.compile(lambda m, t: m(t) * 2, backend=backend), x)
+    plain_graphs = dynamo_utils.counters["stats"]["unique_graphs"] - before
+    torch._dynamo.reset()
+    seen_while_compiling.clear()
+    with _listening(KnownRoots(roots_only=True)):
+        model(x)
+        assert module_calls.class_mode()
+        before = dynamo_utils.counters["stats"]["unique_graphs"]
+        captured = run(model, torch.compile(lambda m, t: m(t) * 2, backend=backend), x)
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"] - before
+        assert module_calls.class_mode()  # back on after each compile
+    assert graphs == plain_graphs and seen_while_compiling and not any(a or b for a, b in seen_while_compiling)
+    assert all(torch.equal(a, b) for a, b in zip(plain, captured, strict=True))
+
+
+def test_class_mode_hands_calls_to_a_tracer_patching_nn_module_call() -> None:
+    # torch.fx patches nn.Module.__call__ while it traces: a class carrying the wrapper must still reach fx's patch,
+    # or fx would trace into a leaf module instead of recording a call to it.
+    plain = [n.op for n in torch.fx.symbolic_trace(Root()).graph.nodes]
+    roots = KnownRoots(roots_only=True)
+    with _listening(roots):
+        torch.nn.Linear(4, 4)(torch.randn(3, 4))  # Linear learnt as a root class: it carries the wrapper
+        assert module_calls.class_mode() and "__call__" in torch.nn.Linear.__dict__
+        traced = [n.op for n in torch.fx.symbolic_trace(Root()).graph.nodes]
+    assert traced == plain and plain.count("call_module") == 2

@@ -309,6 +309,8 @@ class ModuleBoundaries:
     """The numerics collector's ``module_calls`` listener: root forwards (step boundaries in scripts without an
     optimizer, the root input probe) and budget detaches at module boundaries."""
 
+    known_roots = True  # roots of classes seen as roots are enough (``module_calls``' class mode)
+
     def __init__(self, collector: NumericsCollector) -> None:
         self._collector = collector
 
