@@ -294,15 +294,17 @@ def _enter_class_mode_locked() -> None:
     global _class_mode
     if _Module.__call__ is not _call:
         return  # somebody else's patch sits on ours: leave it be
-    try:
-        for cls in _root_classes:  # the classes first: their root calls are entered all along
-            if "__call__" not in cls.__dict__:
-                cls.__call__ = _call  # type: ignore[method-assign]
-                _patched.append(cls)
-    except Exception as err:
-        internal_errors.current().record("module hooks", "class mode", err)
-        _unpatch_classes()
-        return
+    for cls in _root_classes:  # the classes first: their root calls are entered all along
+        if "__call__" in cls.__dict__:
+            continue
+        try:
+            cls.__call__ = _call  # type: ignore[method-assign]
+        except Exception as err:  # a class that refuses it (its metaclass): never tried again
+            internal_errors.current().record("module hooks", "class mode", err)
+            _root_classes[cls] = False
+            _unpatch_classes()
+            return
+        _patched.append(cls)
     _Module.__call__ = _original  # type: ignore[method-assign,assignment]
     _class_mode = True
 

@@ -245,3 +245,21 @@ def test_class_mode_hands_calls_to_a_tracer_patching_nn_module_call() -> None:
         assert module_calls.class_mode() and "__call__" in torch.nn.Linear.__dict__
         traced = [n.op for n in torch.fx.symbolic_trace(Root()).graph.nodes]
     assert traced == plain and plain.count("call_module") == 2
+
+
+def test_a_root_class_that_refuses_the_wrapper_keeps_it_on_nn_module_and_every_root_entered() -> None:
+    class Refusing(type):
+        def __setattr__(cls, name: str, value: Any) -> None:
+            raise TypeError("frozen class")
+
+    class Frozen(torch.nn.Module, metaclass=Refusing):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    roots, x = KnownRoots(roots_only=True), torch.randn(3, 4)
+    with _listening(roots):
+        Frozen()(x)
+        Frozen()(x)
+        assert not module_calls.class_mode() and torch.nn.Module.__call__ is module_calls._call
+        Root()(x)
+        assert roots.entered == ["Frozen", "Frozen", "Root"]
