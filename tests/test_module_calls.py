@@ -5,6 +5,7 @@ changes in between."""
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any
 
 import torch
@@ -200,8 +201,6 @@ def test_a_listener_without_known_roots_or_a_root_with_its_own_call_keeps_the_wr
 
 
 def test_class_mode_changes_no_compiled_graph_and_is_off_while_dynamo_compiles() -> None:
-    import torch._dynamo.utils as dynamo_utils
-
     seen_while_compiling: list[tuple[bool, bool]] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -219,6 +218,18 @@ def test_class_mode_changes_no_compiled_graph_and_is_off_while_dynamo_compiles()
     torch.manual_seed(0)
     model, x = Root(), torch.randn(3, 4)
     torch._dynamo.reset()
+    try:
+        _compare_compiled(model, x, run, backend, seen_while_compiling)
+    finally:  # nothing of these compiles outlives the test (a later test counts the garbage cycles of a step)
+        torch._dynamo.reset()
+        gc.collect()
+
+
+def _compare_compiled(
+    model: torch.nn.Module, x: torch.Tensor, run: Any, backend: Any, seen_while_compiling: list[tuple[bool, bool]]
+) -> None:
+    import torch._dynamo.utils as dynamo_utils
+
     before = dynamo_utils.counters["stats"]["unique_graphs"]
     plain = run(model, torch.compile(lambda m, t: m(t) * 2, backend=backend), x)
     plain_graphs = dynamo_utils.counters["stats"]["unique_graphs"] - before
