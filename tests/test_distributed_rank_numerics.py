@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_tpudiag
+from tests.conftest import run_plain_reference, run_tpudiag
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # a real 3-rank torchrun job
 ENV = {"OMP_NUM_THREADS": "1", "TPUDIAG_FLUSH_S": "2"}
@@ -57,9 +56,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     db = folder / "store.duckdb"
     captured = run_tpudiag("capture", "--db", str(db), "--collect", "trace,numerics", *TORCHRUN, cwd=folder, env=ENV)
     assert captured.returncode == 0, captured.stderr
-    plain = subprocess.run(
-        [sys.executable, *TORCHRUN], cwd=folder, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300
-    )
+    plain = run_plain_reference([sys.executable, *TORCHRUN], cwd=folder, env={**os.environ, **ENV})
     report = run_tpudiag("report", "--db", str(db), "--json")
     text = run_tpudiag("report", "--db", str(db))
     assert report.returncode == 0 and text.returncode == 0, report.stderr + text.stderr
