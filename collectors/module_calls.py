@@ -123,15 +123,6 @@ def installed() -> bool:
 
 # -- the wrapper ------------------------------------------------------------------------------------------------
 def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    if _roots_only and getattr(_local, "depth", 0) > 0:
-        # Nested in an entered call (most module calls of a step): nothing to enter, and no count either
-        # (``depth`` only tells an entered call is in progress on this thread; the entered call restores it).
-        # This comes before the compiling check, which cost as much as the rest of this path (~0.5 us a call):
-        # a call is entered only when nothing compiles, and calls inside it take torch's own path either way.
-        if _class_mode:
-            inner = _Module.__call__
-            return (inner if inner is not _call else _original or _torch_call)(self, *args, **kwargs)
-        return (_original or _torch_call)(self, *args, **kwargs)
     if _class_mode:
         # The wrapper is this class's ``__call__``: on to whatever nn.Module's is now (a tracer may have patched it).
         original = _Module.__call__
@@ -139,6 +130,12 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             original = _original or _torch_call
     else:
         original = _original or _torch_call
+    if _roots_only and getattr(_local, "depth", 0) > 0:
+        # Nested in an entered call (most module calls of a step): nothing to enter, and no count either
+        # (``depth`` only tells an entered call is in progress on this thread; the entered call restores it).
+        # This comes before the compiling check, which cost as much as the rest of this path (~0.5 us a call):
+        # a call is entered only when nothing compiles, and calls inside it take torch's own path either way.
+        return original(self, *args, **kwargs)
     if torch.compiler.is_compiling():
         # Tracing under ``torch.export`` (non-strict) or Dynamo, were it ever to trace this function (it should
         # not: see the module's docstring): torch's own __call__, with nothing entered.

@@ -20,7 +20,7 @@ from typing import Any
 import duckdb
 import pytest
 
-from tests.conftest import run_tpudiag
+from tests.conftest import run_plain_reference, run_tpudiag
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # real torchrun / mp.spawn / Spark jobs
 ENV = {"OMP_NUM_THREADS": "1", "TPUDIAG_FLUSH_S": "2"}
@@ -115,14 +115,7 @@ def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     captured = run_tpudiag(
         "capture", "--db", str(db), "--collect", "trace", *_torchrun(str(script)), cwd=folder, env=ENV
     )
-    plain = subprocess.run(
-        [sys.executable, *_torchrun(str(script))],
-        cwd=folder,
-        env={**os.environ, **ENV},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    plain = run_plain_reference([sys.executable, *_torchrun(str(script))], folder, {**os.environ, **ENV})
     return {"folder": folder, "db": db, "captured": captured, "plain": plain, "report": _report(db)}
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import duckdb
 import pytest
 
-from tests.conftest import run_tpudiag
+from tests.conftest import run_plain_reference, run_tpudiag
 
 ENV = {"OMP_NUM_THREADS": "1", "TPUDIAG_FLUSH_S": "2"}
 ACCELERATE_FLAGS = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
@@ -98,7 +98,7 @@ def _report(db: Path, *extra: str) -> dict[str, Any]:
 
 
 def _plain(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=cwd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300)
+    return run_plain_reference(cmd, cwd, {**os.environ, **ENV})
 
 
 def _assert_two_rank_run(db: Path) -> dict[str, Any]:
@@ -142,8 +142,7 @@ def _plain_lines(tmp_path: Path, ranks: int) -> list[str]:
     One plain process is the reference: every rank trains on the same batches and DDP averages identical gradients,
     so each rank prints the one-process losses.  The last digits depend on the CPU's kernels (CI's machine printed
     -19.074356 at step 2, this one -19.074354), so no figure is written into the test."""
-    plain = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env={**os.environ, **ENV}, capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
+    plain = _plain([sys.executable, "train.py"], tmp_path)
     assert plain.returncode == 0, plain.stderr
     losses = [ln.split(" step ", 1)[1] for ln in plain.stdout.splitlines() if ln.startswith("rank 0 of 1 step ")]
     assert len(losses) == 3, plain.stdout

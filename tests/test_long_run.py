@@ -258,11 +258,15 @@ def test_memory_growth_opens_a_memory_window_and_the_pulse_carries_memory(tmp_pa
     con.close()
     assert len(rows) == 200
     rss = {step: json.loads(f)["memory.rss_bytes"] for step, f in rows if f}
-    # Every one of the first window's steps has its reading; later fast steps one per 10 ms (tpudiag.longrun.stride),
-    # the others read None, never a copied value.
-    assert all(step in rss for step in range(20)) and len(rss) >= 30
-    before = max(step for step in rss if step <= 125)
-    assert rss[max(rss)] - rss[before] > 400 << 20
+    # Every one of the first window's steps has its reading; later fast steps one per 50 ms (tpudiag.longrun.stride),
+    # the others read None, never a copied value.  How many later steps are read depends on this machine's speed.
+    assert all(step in rss for step in range(20))
+    later = sorted(step for step in rss if step >= 20)
+    assert later and len(later) < 180 - 20, later
+    last = later[-1]
+    assert last > 150, later  # the window opened on a reading in the leak, and readings went on after it
+    before = max(step for step in rss if step <= 130)
+    assert rss[last] - rss[before] > (last - 130) * (8 << 20) * 3 // 4
 
 
 SIXTY_STEPS = """

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import run_plain_reference
 from tests.remote_servers import SECRET, free_port, gcs_server, s3_server
 from tpudiag.store import Store, queries
 
@@ -272,9 +273,9 @@ def test_upload_server_down_for_a_while(tmp_path: Path) -> None:
         dist = json.loads(rep.stdout)["distributed"]
         assert [(r["rank"], r["status"], r["steps"]) for r in dist["ranks"]] == [(0, "ok", 6), (1, "ok", 6)]
     # The job's own output is what plain torchrun prints (same seed, all-reduced weights).
-    plain = subprocess.run(
+    plain = run_plain_reference(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "train.py")],
-        capture_output=True, text=True, env=_env(script_env), cwd=tmp_path, timeout=240,
+        tmp_path, _env(script_env), timeout=240,
     )  # fmt: skip
     assert plain.returncode == 0, plain.stderr
     assert sorted(o for o, _ in outs) == sorted(plain.stdout.splitlines(keepends=True))
