@@ -38,7 +38,6 @@ class LongRunMixin:
     _trace_dir: Path
     _tpu: Any
     _step_ended: bool
-    _in_step: bool
 
     name: str
 
@@ -72,6 +71,8 @@ class LongRunMixin:
         self._pulse.window_id = 0
         self._poller = manual.Poller(manual.trigger_folders(ctx.run_dir), time.monotonic())
         self._worker = analyst.Worker(ctx.run_id, ctx.run_dir, ctx.run_dir / "trace")
+        pulse = self._pulse
+        pulse.plan, pulse.poller, pulse.after = self._plan, self._poller, self._plan_step
         control.activate()
 
     @property
@@ -79,23 +80,11 @@ class LongRunMixin:
         return int(self._plan.open.window_id) if self._plan is not None and self._plan.open is not None else 0
 
     # -- every step (training thread) -------------------------------------------------------------------------
-    def _step_end(self, optimizer: Any) -> None:
-        """``step_points``' callback (main thread, never while Dynamo traces): the step boundary the trace collector
-        acts on at the next root forward (``_after_optimizer_step``, inlined), the pulse's record, the window plan."""
-        self._step_ended = True
-        self._in_step = False
-        pulse = self._pulse
+    def _plan_step(self, fired: list[tuple[str, str]] | tuple[()], now: float) -> None:
+        """The pulse's ``after``: a step ended that the plan must see (a trigger fired, a request came, the manual
+        trigger's poll or the schedule is due).  ``now``: monotonic seconds at the step's end."""
+        pulse, plan = self._pulse, self._plan
         try:
-            _, fired = pulse.step_end(optimizer)
-        except Exception as err:
-            internal_errors.current().record("pulse", "step end", err)
-            return
-        plan = self._plan
-        if plan is None:
-            return
-        t0 = time.perf_counter_ns()
-        try:
-            now = time.monotonic()
             if now >= self._poller.next_s:
                 for req in self._poller.poll(now):
                     steps = req.get("steps")
@@ -106,10 +95,9 @@ class LongRunMixin:
                         detail="tpudiag trigger",
                     )
             severity = {"slow_step": pulse.slow_ratio} if fired and pulse.slow_ratio else None
-            plan.plan(pulse.step, now, fired, self._busy, severity)
+            plan.plan(pulse.step, now, list(fired), self._busy, severity)
         except Exception as err:
             internal_errors.current().record("trace", "window plan", err)
-        pulse._own += time.perf_counter_ns() - t0  # ``add_own``, without the call
 
     def _busy(self) -> set[int]:
         return {int(p.stem.split("-")[1]) for p in analyst.pending_jobs(self._trace_dir)}

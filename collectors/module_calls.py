@@ -52,6 +52,22 @@ import torch
 from tpudiag import internal_errors
 
 
+class _CompilingFlag:
+    """``torch.compiler.is_compiling()`` as an attribute, where torch has no module flag of that name."""
+
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return bool(torch.compiler.is_compiling())
+
+
+# ``torch.compiler.is_compiling()`` without its two Python frames (it calls ``torch.jit.is_scripting()``, then
+# returns this module flag; ~0.5 us on a cold step): ``compiling._is_compiling_flag``.  Outside TorchScript (which
+# never runs this code) the two are the same; Dynamo never traces the frames that read it (see above).
+compiling: Any = (
+    torch.compiler if isinstance(getattr(torch.compiler, "_is_compiling_flag", None), bool) else _CompilingFlag()
+)
+
+
 class Listener(Protocol):
     def enter(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
@@ -136,7 +152,7 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         # This comes before the compiling check, which cost as much as the rest of this path (~0.5 us a call):
         # a call is entered only when nothing compiles, and calls inside it take torch's own path either way.
         return original(self, *args, **kwargs)
-    if torch.compiler.is_compiling():
+    if compiling._is_compiling_flag:  # ``torch.compiler.is_compiling()``, without its frames
         # Tracing under ``torch.export`` (non-strict) or Dynamo, were it ever to trace this function (it should
         # not: see the module's docstring): torch's own __call__, with nothing entered.
         return (original if _class_mode else _torch_call)(self, *args, **kwargs)
@@ -147,7 +163,16 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     depth = getattr(local, "depth", 0)
     if not depth and type(self) not in _root_classes:
         _note_root(type(self))
-    tokens = _enter_all(listeners, self, args, kwargs)
+    if len(listeners) == 1:  # one listener (the trace collector alone, as between a long run's windows): no loop
+        listener = listeners[0]
+        try:
+            token = listener.enter(self, args, kwargs)
+        except Exception as err:
+            _enter_failed(listener, err)
+            token = _FAILED
+        tokens = None if token is _FAILED else [token]
+    else:
+        tokens = _enter_all(listeners, self, args, kwargs)
     local.depth = depth + 1
     if tokens is None:  # no listener wants this call's exit
         try:
@@ -175,11 +200,15 @@ def _enter_all(
         try:
             token = listener.enter(module, args, kwargs)
         except Exception as err:
-            internal_errors.current().record("module hooks", f"{type(listener).__name__}.enter", err)
+            _enter_failed(listener, err)
             token = _FAILED
         tokens.append(token)
         exits = exits or token is not _FAILED
     return tokens if exits else None
+
+
+def _enter_failed(listener: Listener, err: Exception) -> None:
+    internal_errors.current().record("module hooks", f"{type(listener).__name__}.enter", err)
 
 
 def _exit_all(

@@ -5,7 +5,8 @@ Per step: wall time (first root-module forward to the end of the optimizer step)
 events, whether a gradient was non-finite, and the figures of registered per-step probes (``tpudiag.longrun.probes``:
 memory, plugins).
 
-Cost: two ``perf_counter_ns`` calls, a small list, a rolling median updated every 16 steps, and at most every
+Cost, on the common step: three ``perf_counter_ns`` calls, a few counters read, the step's period compared with a
+precomputed threshold (the rolling median's, updated every 16 steps), one tuple appended; and at most every
 50 ms one small device op (``tpudiag.longrun.stride``: every step of the first window's steps and of steps of 50 ms
 or more).  Non-finiteness is read without a sync (and not inside trace windows, whose traces hold the script's ops
 only): a checked step sums the gradient of its smallest parameter on the device (every ``FULL_EVERY`` checks: the
@@ -15,8 +16,10 @@ during the run (the figure reads None: an ``.item()`` would change the program).
 every parameter through the update, so the one small gradient sees it at the next check; the periodic full check
 covers the rest.
 
-Records are kept in a ring (the context a trigger window reports) and handed in batches to a writer thread that
-spools them every few seconds: memory does not grow with the run.
+Records are raw tuples of clocks (the step's start, its end, the previous step's end, tpudiag's own time), handed
+every few seconds to a writer thread that turns them into rows and spools them: memory does not grow with the run,
+and the training thread builds nothing it does not need to decide on.  (Every step is in the store, so the context
+before a trigger window is the pulse table itself.)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch  # the capture has it loaded: this module is imported when a capture starts
@@ -35,11 +39,10 @@ import torch  # the capture has it loaded: this module is imported when a captur
 from tpudiag import internal_errors
 from tpudiag.longrun import control, probes
 from tpudiag.longrun.stride import Stride
-from tpudiag.longrun.triggers import SlowSteps
+from tpudiag.longrun.triggers import MEDIAN_EVERY, SlowSteps
 from tpudiag.plugins import CaptureContext
 
 FULL_EVERY = 64
-RING = 256
 WRITE_EVERY_S = 5.0
 WAKE_ROWS = 20_000
 COLUMNS = (
@@ -58,20 +61,28 @@ COLUMNS = (
 )
 
 
+_Tensor = torch.Tensor
+
+
 def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    # Every step: no import statement here (~0.5 us a call on a cold step), torch's Tensor class from the module.
+    # Every step: no import statement here (~0.5 us a call on a cold step), torch's Tensor class from the module;
+    # a tensor's ``shape`` (a ``torch.Size``, a tuple) is its key as it is.
     tensor = torch.Tensor
     key: list[Any] = []
     for a in args:
         if isinstance(a, tensor):
-            key.append(tuple(a.shape))
+            key.append(a.shape)
         elif isinstance(a, (list, tuple)) and a and len(a) <= 8:
-            key.append(tuple(tuple(v.shape) for v in a if isinstance(v, tensor)))
+            key.append(tuple(v.shape for v in a if isinstance(v, tensor)))
     if kwargs:
         for k, v in kwargs.items():
             if isinstance(v, tensor):
-                key.append((k, tuple(v.shape)))
+                key.append((k, v.shape))
     return tuple(key)
+
+
+def _shapes_json(key: tuple[Any, ...]) -> str | None:
+    return json.dumps([list(s) if s and isinstance(s[0], int) else s for s in key]) if key else None
 
 
 def _unseen_by_modes(torch: Any) -> Any:
@@ -87,31 +98,51 @@ def _unseen_by_modes(torch: Any) -> Any:
     return _disable_current_modes()
 
 
+NOTHING: tuple[()] = ()  # what most steps fire
+
+
 class PulseRecorder:
     def __init__(self, ctx: CaptureContext, rank: int = 0) -> None:
         self._ctx = ctx
         self.rank = rank
         self.step = 0  # steps ended so far (the next step's index)
         self._epoch_offset = time.time_ns() - time.perf_counter_ns()
-        self._start: int | None = None
+        self.started_ns: int | None = None  # the step's first root forward; None between a step's end and the next
+        self.ended = False  # a step ended and no root forward has come since (the trace collector's step boundary)
+        # The window plan (set by the trace collector): ``step_end`` hands it the step unless it is quiet.
+        self.plan: Any = None
+        self.poller: Any = None  # the manual trigger's
+        self.after: Callable[[list[tuple[str, str]] | tuple[()], float], None] | None = None
+        # ``time.monotonic()`` (the plan's clock) from ``perf_counter_ns`` (one clock on Linux; an offset taken once
+        # elsewhere): the common step reads no clock of its own for the plan.
+        self._monotonic_offset = time.monotonic() - time.perf_counter_ns() * 1e-9
         self._prev_end: int | None = None
+        self.end_ns = 0  # perf_counter_ns at the last step's end
         self._shapes: str | None = None
         self._shape_json: dict[tuple[Any, ...], str | None] = {}
         self._own = 0
         self._compiles = control.compile_counts()
         self._checker_s = control.checker_seconds()  # the numerics checker's own seconds at the last step's end
         self._background_ns = control.background_ns()  # tpudiag's background threads' work, likewise
-        self._pending: list[Any] | None = None  # the last step's record, waiting for its non-finite figure
         self._check: Any = None  # (tensor, event or None) of the last step's gradient check
         self._small: dict[int, Any] = {}  # optimizer id -> the parameter whose gradient is summed every step
-        self.ring: deque[list[Any]] = deque(maxlen=RING)
-        self._batch: list[list[Any]] = []
+        # Records as the training thread leaves them (``step_end``), and what is rare beside them, by step.
+        self._batch: list[tuple[Any, ...]] = []
+        self._nonfinite: dict[int, bool] = {}
+        self._compiled: dict[int, tuple[int, int, int]] = {}
+        self._ready: deque[tuple[list[tuple[Any, ...]], dict[int, bool], dict[int, tuple[int, int, int]]]] = deque()
         self._checks = 0  # gradient checks made (every FULL_EVERY-th reads every gradient)
         self._stride = Stride()  # the gradient check, thinned on fast steps (tpudiag.longrun.stride)
         self._check_every_ns = int(self._stride.every_s * 1e9)
         self._next_check_ns = 0  # perf_counter_ns at which the next gradient check is due (after the first steps)
+        self._hand_every_ns = int(WRITE_EVERY_S * 1e9)
+        self._hand_ns = 0  # perf_counter_ns at which the records go to the writer
+        self._due_ns = 0  # the earliest of the two: ``_due`` runs at this clock ...
+        self._due_step = 0  # ... or at this step
         factor = ctx.options.get("slow_factor") or os.environ.get("TPUDIAG_SLOW_FACTOR")
         self.slow = SlowSteps(factor=float(factor)) if factor else SlowSteps()
+        self._recent_append = self.slow.recent.append
+        self._slow_ns: float = math.inf  # a judged period above this may be slow (``SlowSteps.threshold_s``)
         self.window_id: int | None = None  # set by the window planner while a window is open
         self.slow_ratio: float | None = None  # the step that just ended fired slow_step: its multiple of the median
         self.nonfinite_steps = 0
@@ -132,107 +163,167 @@ class PulseRecorder:
 
     def step_begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         t0 = time.perf_counter_ns()
-        self._start = t0
-        key = _shape_key(args, kwargs)
+        self.started_ns = t0
+        if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:  # ``model(x)``: the key without a call
+            key: tuple[Any, ...] = (args[0].shape,)
+        else:
+            key = _shape_key(args, kwargs)
         shapes = self._shape_json.get(key, "")
         if shapes == "":
-            shapes = json.dumps([list(s) if s and isinstance(s[0], int) else s for s in key]) if key else None
+            shapes = _shapes_json(key)
             if len(self._shape_json) < 4096:
                 self._shape_json[key] = shapes
         self._shapes = shapes
         self._own += time.perf_counter_ns() - t0
 
-    def step_end(self, optimizer: Any) -> tuple[float, list[tuple[str, str]]]:
-        """End of a step (the optimizer's post-hook): its record; its duration in seconds and the triggers it fired
-        as (reason, detail).
+    def step_end(self, optimizer: Any) -> list[tuple[str, str]] | tuple[()]:
+        """End of a step (``step_points``' callback, the trace collector's): its record, the window plan's turn
+        (``after``) unless the plan is quiet; the triggers it fired as (reason, detail).
 
         Written for a step whose caches the script has just filled (each object touched here is a cache miss, each
-        call a cold frame): the common step reads a few attributes and two counters, judges the step against the
-        median and appends its record; the rarer parts (a gradient check due, a compile event, the checker's or a
-        background thread's time to take out) run only when their counter or clock says so."""
+        call a cold frame): the common step reads two clocks and a few counters, compares its period with a
+        precomputed threshold, and appends one tuple.  What is rare runs only when its counter or clock says so:
+        a gradient check to read or to start, a compile event, the checker's or a background thread's time to take
+        out, a period over the threshold, and (every ``MEDIAN_EVERY`` steps or ``WRITE_EVERY_S`` seconds, ``_due``)
+        the rolling median and the hand-off of the records to the writer thread, which builds the table."""
         end = time.perf_counter_ns()
-        start, prev_end = self._start, self._prev_end
-        if start is None:
-            start, gap = (prev_end if prev_end is not None else end), None
-        else:
-            gap = start - prev_end if prev_end is not None else None
-        dur = end - start
+        self.ended = True
+        start, prev = self.started_ns, self._prev_end
         step = self.step
-        fired: list[tuple[str, str]] = []
-        pending = self._pending
-        if pending is not None:
-            nonfinite_prev = self._read_check() if self._check is not None else None
-            pending[9] = nonfinite_prev
-            self.ring.append(pending)
-            batch = self._batch
-            batch.append(pending)
-            if len(batch) >= WAKE_ROWS:
-                self._wake.set()
-            if nonfinite_prev:
-                self.nonfinite_steps += 1
-                fired.append(("nonfinite", f"a non-finite gradient at step {pending[0]}"))
-        if end >= self._next_check_ns or step < self._stride.first_steps:  # ``Stride.due``, inlined
-            self._next_check_ns = end + self._check_every_ns
-            self._start_check(optimizer)
-        c0, r0, g0 = compiles = self._compiles
-        if control.STATE.compiles != c0:
-            self._compiles = compiles = control.compile_counts()
-            if compiles[1] > r0:
-                fired.append(("recompile", f"recompile at step {step}: {control.compile_detail() or ''}".rstrip(": ")))
-            if compiles[2] > g0:
-                detail = f"graph break at step {step}: {control.compile_detail() or ''}".rstrip(": ")
-                fired.append(("graph_break", detail))
+        fired: list[tuple[str, str]] | tuple[()] = NOTHING
+        if self._check is not None:
+            fired = self._read_previous(step)
+        if control.STATE.compiles != self._compiles[0]:
+            fired = self._compile_events(step, fired)
         # The numerics checker's time since the last step's end (its checks in this step, its boundary work in the
         # gap) is tpudiag's own time: counted as such, and never judged as the script's slowness.  So is what
         # tpudiag's background threads did meanwhile (the script's thread waited on their GIL).
-        # (Both read without a call on most steps: ``control.checker_seconds`` and ``control.background_ns``.)
         clock = control.checker_clock
-        checker = clock() if clock is not None else 0.0
         checker_ns = 0
-        if checker != self._checker_s:
-            checker_ns = max(int((checker - self._checker_s) * 1e9), 0)
-            self._checker_s = checker
+        if clock is not None:
+            checker = clock()
+            if checker != self._checker_s:
+                checker_ns = max(int((checker - self._checker_s) * 1e9), 0)
+                self._checker_s = checker
         background = control.background_ns() if control.bg_running else control.bg_done_ns
-        background_ns = background - self._background_ns
-        if background_ns:
+        background_ns = 0
+        if background != self._background_ns:
+            background_ns = background - self._background_ns
             self._background_ns = background
         # A step's period (the gap before it, where data loading waits, and the step itself) is what slows a job.
         # Steps inside a window (and the one that closes it) pay for the profiler and the checker: not a signal.
-        period = max(dur + (gap or 0) - checker_ns - background_ns, 0)
-        # A step that compiled is slow for that reason: its recompile or graph break window says so.  A step the
-        # checker watched is not judged at all: the checker's clock holds its checks, not the dispatch of every op
-        # through its mode, so such a step still read 4-5x the median (every periodic re-check step on the bench
-        # loop), and its outlier let the next jitter step fire as a repeat: slow_step windows of tpudiag's making.
+        # A step the checker watched is not judged at all: the checker's clock holds its checks, not the dispatch of
+        # every op through its mode, so such a step still read 4-5x the median (every periodic re-check step on the
+        # bench loop), and its outlier let the next jitter step fire as a repeat: slow_step windows of tpudiag's
+        # making.  A step that compiled or fired another trigger is judged (the median learns it) but opens no
+        # slow_step window: its own trigger says why it was slow.
         self.slow_ratio = None
-        if self.window_id is None and checker_ns == 0 and self.slow.fires(period / 1e9) and not fired:
-            median = self.slow.median_s
-            if median:
-                self.slow_ratio = period / 1e9 / median
-                fired.append(
-                    (
-                        "slow_step",
-                        f"step {step} took {period / 1e6:.1f} ms with the gap before it, "
-                        f"{self.slow_ratio:.1f}x the median {median * 1e3:.2f} ms",
-                    )
-                )
-        # The figures dict as it is: serialised by the writer thread, off the step.
-        record = [step, start + self._epoch_offset, dur, gap, 0, self._shapes, compiles[0] - c0, compiles[1] - r0,
-                  compiles[2] - g0, None, self.window_id,
-                  probes.collect() if probes.published or probes.pulling else None]  # fmt: skip
-        self._pending = record
+        if self.window_id is None and not checker_ns:
+            period = end - (prev if prev is not None else start if start is not None else end) - background_ns
+            if period > self._slow_ns:
+                fired = self._slow_step(step, period, fired)
+            else:
+                self._recent_append(period * 1e-9)
+        self._batch.append(
+            (step, start, end, prev, self._own + checker_ns, self._shapes, self.window_id,
+             probes.collect() if probes.published or probes.pulling else None)
+        )  # fmt: skip
         self.step = step + 1
-        self._prev_end = end
-        self._start = None
-        # Never more than the step's period: tpudiag's time is spent inside it.
-        record[4] = min(self._own + checker_ns + (time.perf_counter_ns() - end), dur + (gap or 0))
-        self._own = 0
-        return dur / 1e9, fired
+        self._prev_end = self.end_ns = end
+        self.started_ns = None
+        if end >= self._due_ns or step >= self._due_step:
+            self._due(optimizer, step, end)
+        plan = self.plan
+        if plan is not None and self.after is not None:
+            # The plan's turn, unless it is quiet: nothing fired, nothing asked for, the manual trigger's poll and
+            # the schedule not due (``WindowPlan.plan``'s own first test, inlined: no call).
+            now = end * 1e-9 + self._monotonic_offset
+            quiet = plan._quiet
+            if (
+                quiet is None
+                or fired
+                or now >= self.poller.next_s
+                or (step + 1 >= quiet[0] and now >= quiet[1])
+                or control.STATE.pending
+            ):
+                self.after(fired, now)
+        # tpudiag's time from here on (the plan's included) is in the next step's period: counted there.
+        self._own = time.perf_counter_ns() - end
+        return fired
 
-    def _keep(self, record: list[Any]) -> None:
-        self.ring.append(record)
-        self._batch.append(record)
-        if len(self._batch) >= WAKE_ROWS:
-            self._wake.set()
+    # -- the rare parts of a step's end -----------------------------------------------------------------------
+    def _read_previous(self, step: int) -> list[tuple[str, str]] | tuple[()]:
+        """The last step's gradient check, read now (``_read_check``): its record's non-finite figure."""
+        nonfinite = self._read_check()
+        if nonfinite is None or step == 0:
+            return NOTHING
+        self._nonfinite[step - 1] = nonfinite
+        if not nonfinite:
+            return NOTHING
+        self.nonfinite_steps += 1
+        return [("nonfinite", f"a non-finite gradient at step {step - 1}")]
+
+    def _compile_events(self, step: int, fired: list[tuple[str, str]] | tuple[()]) -> list[tuple[str, str]]:
+        c0, r0, g0 = self._compiles
+        self._compiles = compiles = control.compile_counts()
+        self._compiled[step] = (compiles[0] - c0, compiles[1] - r0, compiles[2] - g0)
+        out = list(fired)
+        if compiles[1] > r0:
+            out.append(("recompile", f"recompile at step {step}: {control.compile_detail() or ''}".rstrip(": ")))
+        if compiles[2] > g0:
+            out.append(("graph_break", f"graph break at step {step}: {control.compile_detail() or ''}".rstrip(": ")))
+        return out
+
+    def _slow_step(
+        self, step: int, period: int, fired: list[tuple[str, str]] | tuple[()]
+    ) -> list[tuple[str, str]] | tuple[()]:
+        """A period over the precomputed threshold: ``SlowSteps.fires`` decides (the median, the repeats)."""
+        if not self.slow.fires(period / 1e9, step) or fired:
+            return fired
+        median = self.slow.median_s
+        if not median:
+            return fired
+        self.slow_ratio = period / 1e9 / median
+        return [
+            (
+                "slow_step",
+                f"step {step} took {period / 1e6:.1f} ms with the gap before it, "
+                f"{self.slow_ratio:.1f}x the median {median * 1e3:.2f} ms",
+            )
+        ]
+
+    def _due(self, optimizer: Any, step: int, end: int) -> None:
+        """Every step of the first window, then every ``MEDIAN_EVERY`` steps or when a clock is due: the gradient
+        check (``tpudiag.longrun.stride``: every ``every_s``), the rolling median's threshold, the hand-off."""
+        first = step < self._stride.first_steps
+        if first or end >= self._next_check_ns:
+            self._next_check_ns = end + self._check_every_ns
+            self._start_check(optimizer)
+        if step >= self._due_step:
+            self._due_step = step + (1 if first else MEDIAN_EVERY)
+            threshold = self.slow.refresh()
+            self._slow_ns = threshold * 1e9 if threshold is not None else math.inf
+        if end >= self._hand_ns or len(self._batch) >= WAKE_ROWS:
+            self._hand_ns = end + self._hand_every_ns
+            self._hand_off()
+        self._due_ns = min(self._next_check_ns, self._hand_ns)
+
+    def _hand_off(self, final: bool = False) -> None:
+        """The records so far to the writer thread (which alone builds tables).  A record whose gradient check is
+        still to be read stays for the next hand-off."""
+        batch = self._batch
+        keep = batch[-1:] if self._check is not None and not final else []
+        nonfinite, compiled = self._nonfinite, self._compiled
+        self._nonfinite, self._compiled = {}, {}
+        if keep:
+            batch.pop()
+            last = keep[0][0]
+            if last in compiled:
+                self._compiled[last] = compiled.pop(last)
+        if batch:
+            self._ready.append((batch, nonfinite, compiled))
+        self._batch = keep
+        self._wake.set()
 
     # -- non-finite gradients, read a step late ---------------------------------------------------------------
     def _start_check(self, optimizer: Any) -> None:
@@ -312,39 +403,60 @@ class PulseRecorder:
 
     def write(self) -> None:
         with self._lock:
-            batch, self._batch = self._batch, []
-            if not batch or self.degraded:
-                return
-            try:
-                self._ctx.spool.write_table("pulse", self._table(batch))
-                self.rows += len(batch)
-            except Exception as err:
-                self.degraded = str(err)
-                self._ctx.note(f"pulse: could not be written ({err}); the script went on, the pulse stopped there")
+            ready = self._ready
+            while ready:
+                batch, nonfinite, compiled = ready.popleft()
+                if self.degraded:
+                    continue
+                try:
+                    self._ctx.spool.write_table("pulse", self._table(batch, nonfinite, compiled))
+                    self.rows += len(batch)
+                except Exception as err:
+                    self.degraded = str(err)
+                    self._ctx.note(f"pulse: could not be written ({err}); the script went on, the pulse stopped there")
 
-    def _table(self, batch: list[list[Any]]) -> Any:
+    def _table(
+        self,
+        batch: list[tuple[Any, ...]],
+        nonfinite: dict[int, bool] | None = None,
+        compiled: dict[int, tuple[int, int, int]] | None = None,
+    ) -> Any:
+        """The pulse table of a hand-off: each record's clocks turned into its start, duration, gap and own time
+        (never more than the step's period: tpudiag's time is spent inside it), its rare figures joined by step."""
         import pyarrow as pa
 
         from tpudiag.model import PulseStep, arrow_schema
 
-        # Transposed in C (``zip``): the writer holds the GIL as briefly as it can, the script's steps wait on it.
-        columns = list(zip(*batch, strict=True)) if batch else [()] * len(COLUMNS)
-        cols: dict[str, Any] = dict(zip(COLUMNS, columns, strict=True))
-        cols["figures"] = [json.dumps(f) if f else None for f in cols["figures"]]
-        cols["run_id"] = [self._ctx.run_id] * len(batch)
-        cols["rank"] = [self.rank] * len(batch)
+        offset = self._epoch_offset
+        cols: dict[str, list[Any]] = {name: [] for name in COLUMNS}
+        nonfinite = nonfinite or {}
+        compiled = compiled or {}
+        for step, start, end, prev, own, shapes, window_id, figures in batch:
+            if start is None:
+                start, gap = (prev if prev is not None else end), None
+            else:
+                gap = start - prev if prev is not None else None
+            dur = end - start
+            counts = compiled.get(step, (0, 0, 0))
+            row = (step, start + offset, dur, gap, min(own, dur + (gap or 0)), shapes, counts[0], counts[1], counts[2],
+                   nonfinite.get(step), window_id, json.dumps(figures) if figures else None)  # fmt: skip
+            for name, value in zip(COLUMNS, row, strict=True):
+                cols[name].append(value)
+        out: dict[str, Any] = dict(cols)
+        out["run_id"] = [self._ctx.run_id] * len(batch)
+        out["rank"] = [self.rank] * len(batch)
         schema = arrow_schema(PulseStep)
-        return pa.table({f.name: cols[f.name] for f in schema}, schema=schema)
+        return pa.table({f.name: out[f.name] for f in schema}, schema=schema)
 
     def stop(self) -> None:
-        """The last step's record (its gradient check read now: the script has ended) and the last batch."""
-        if self._pending is not None:
+        """The last step's gradient check (read now: the script has ended) and the last records."""
+        if self._check is not None and self.step:
             nonfinite = self._read_check(final=True)
-            self._pending[9] = nonfinite
-            self._keep(self._pending)
-            if nonfinite:
-                self.nonfinite_steps += 1
-            self._pending = None
+            if nonfinite is not None:
+                self._nonfinite[self.step - 1] = nonfinite
+                if nonfinite:
+                    self.nonfinite_steps += 1
+        self._hand_off(final=True)
         self._stopping = True
         self._wake.set()
         with contextlib.suppress(Exception):

@@ -26,9 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from tpudiag import internal_errors
+from tpudiag.collectors import module_calls
 
 READ = 0
 PULSE = 10
@@ -71,8 +70,6 @@ def add(callback: Callback, order: int, name: str, main_thread_only: bool = True
         if _hook is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
-            from tpudiag.collectors import module_calls
-
             _hook = register_optimizer_step_post_hook(module_calls.skip_in_dynamo(_on_step_end))
         _serial += 1
         _entries.append((order, _serial, callback, main_thread_only, name))
@@ -80,11 +77,8 @@ def add(callback: Callback, order: int, name: str, main_thread_only: bool = True
         return StepEndHandle(_serial)
 
 
-_is_compiling = torch.compiler.is_compiling
-
-
 def _on_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if _is_compiling():
+    if module_calls.compiling._is_compiling_flag:  # ``torch.compiler.is_compiling()``, without its frames
         return
     main = threading.get_ident() == _main_ident
     for callback, main_only, name in _callbacks:

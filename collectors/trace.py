@@ -82,7 +82,6 @@ class TraceCollector(LongRunMixin):
         self._main_ident = self._main_thread.ident
         self._pulse: Any = None  # collectors/pulse.py PulseRecorder
         self._plan: Any = None  # collectors/windows.py WindowPlan (None: --trace all)
-        self._in_step = False
         self._poller: Any = None
         self._worker: Any = None
         self._window_jobs: dict[int, dict[str, Any]] = {}
@@ -121,23 +120,28 @@ class TraceCollector(LongRunMixin):
 
         def on_enter(path: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_root: bool) -> Any:
             if is_root:
-                if self._step_ended:
-                    self._step_ended = False
-                    plan = self._plan
-                    if plan is not None:
-                        # Most steps of a long run: no window open, closing or coming, nothing to carry out.
-                        if (
-                            plan.close_next
-                            or plan.next is not None
-                            or plan.open is not None
-                            or self._pulse.window_id is not None
-                        ):
-                            self._boundary()
-                    elif self._chunk_due():
-                        self._rotate()
-                if not self._in_step and self._pulse is not None:
-                    self._in_step = True
-                    self._pulse.step_begin(args, kwargs)
+                pulse = self._pulse
+                if pulse is None:
+                    if self._step_ended:
+                        self._step_ended = False
+                        if self._chunk_due():
+                            self._rotate()
+                elif pulse.started_ns is None:  # a step's first root forward
+                    if pulse.ended:  # ... after a step's end: the step boundary
+                        pulse.ended = False
+                        plan = self._plan
+                        if plan is not None:
+                            # Most steps of a long run: no window open, closing or coming, nothing to carry out.
+                            if (
+                                plan.close_next
+                                or plan.next is not None
+                                or plan.open is not None
+                                or pulse.window_id is not None
+                            ):
+                                self._boundary()
+                        elif self._chunk_due():
+                            self._rotate()
+                    pulse.step_begin(args, kwargs)
                 if self._prof is not None:
                     root_inputs.append(input_shapes(args, kwargs))
             if self._prof is None:
@@ -155,7 +159,7 @@ class TraceCollector(LongRunMixin):
             self._tracker.install()
             from tpudiag.collectors import step_points
 
-            on_step_end = self._step_end if self._pulse is not None else self._after_optimizer_step
+            on_step_end = self._pulse.step_end if self._pulse is not None else self._after_optimizer_step
             self._hooks.append(step_points.add(on_step_end, step_points.PULSE, "trace"))
             self._patch_user_sessions()
             from tpudiag.collectors import tpu_profiler
@@ -220,14 +224,13 @@ class TraceCollector(LongRunMixin):
     # -- profiler sessions ------------------------------------------------------------------------------------
     def _after_optimizer_step(self, optimizer: Any) -> None:
         """Mark a step boundary (``step_points``: on the main thread, never while Dynamo traces); the chunk is cut
-        at the next root-module forward if it is old enough.  (With a pulse, ``_step_end`` is the callback itself,
-        and marks the boundary the same way.)
+        at the next root-module forward if it is old enough.  (With a pulse, the pulse's ``step_end`` is the
+        callback, and marks the boundary the same way: ``pulse.ended``.)
 
         Not here: the optimizer's own ``Optimizer.step#`` range is still open, and a profiler range that spans two
         sessions corrupts Kineto's heap (seen on torch 2.13).
         """
         self._step_ended = True
-        self._in_step = False
 
     def _chunk_due(self) -> bool:
         return (

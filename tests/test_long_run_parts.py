@@ -410,7 +410,7 @@ def _pulse_loop(tmp_path: Path, steps: int, nan: Any, step_s: float = 0.0) -> di
         opt.step()
         if step_s:
             time.sleep(step_s)
-        _, fired = pulse.step_end(opt)
+        fired = pulse.step_end(opt)
         for reason, _detail in fired:
             fired_at.setdefault(reason, step)
     pulse.stop()

@@ -51,12 +51,29 @@ class SlowSteps:
                 self._since = 0
         return slow
 
-    def fires(self, dur_s: float) -> bool:
+    def threshold_s(self) -> float | None:
+        """The duration above which a step is an outlier (``check``), or None while no median is known."""
+        median = self.median_s
+        if median is None:
+            return None
+        return max(self.factor * median, median + self.min_extra_s)
+
+    def refresh(self) -> float | None:
+        """The median of the recent steps, recomputed now (for a caller that appends to ``recent`` itself and asks
+        ``fires`` only about steps over ``threshold_s``); the new threshold."""
+        if len(self.recent) >= 8:
+            ordered = sorted(self.recent)
+            self.median_s = ordered[len(ordered) // 2]
+            self._since = 0
+        return self.threshold_s()
+
+    def fires(self, dur_s: float, step: int | None = None) -> bool:
         """``check``, and whether this outlier should open a window: it repeats one of the last ``REPEAT_WITHIN``
         steps, or it is ``FAR_FACTOR`` x the median.  (Every step of a run: the common step, not an outlier, is
-        ``check``'s first branch inlined.)"""
+        ``check``'s first branch inlined.)  ``step``: the step's index, where the caller does not call this for
+        every step."""
         median = self.median_s
-        self._steps += 1
+        self._steps = self._steps + 1 if step is None else step
         if median is not None and (dur_s <= self.factor * median or dur_s - median <= self.min_extra_s):
             self.recent.append(dur_s)
             self._since += 1
