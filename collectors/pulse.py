@@ -67,7 +67,7 @@ _Tensor = torch.Tensor
 def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     # Every step: no import statement here (~0.5 us a call on a cold step), torch's Tensor class from the module;
     # a tensor's ``shape`` (a ``torch.Size``, a tuple) is its key as it is.
-    tensor = torch.Tensor
+    tensor = _Tensor
     key: list[Any] = []
     for a in args:
         if isinstance(a, tensor):
@@ -117,7 +117,6 @@ class PulseRecorder:
         # elsewhere): the common step reads no clock of its own for the plan.
         self._monotonic_offset = time.monotonic() - time.perf_counter_ns() * 1e-9
         self._prev_end: int | None = None
-        self.end_ns = 0  # perf_counter_ns at the last step's end
         self._shapes: str | None = None
         self._shape_json: dict[tuple[Any, ...], str | None] = {}
         self._own = 0
@@ -229,7 +228,7 @@ class PulseRecorder:
              probes.collect() if probes.published or probes.pulling else None)
         )  # fmt: skip
         self.step = step + 1
-        self._prev_end = self.end_ns = end
+        self._prev_end = end
         self.started_ns = None
         if end >= self._due_ns or step >= self._due_step:
             self._due(optimizer, step, end)

@@ -32,6 +32,18 @@ def test_slow_steps_flags_outliers_and_keeps_them_out_of_the_median() -> None:
     for _ in range(20):
         tiny.check(0.0001)
     assert not tiny.check(0.001)  # 10x, but only 0.9 ms more: jitter
+    # The median of the recent steps, as every path recomputes it (``check``, ``fires``, ``refresh``).
+    spread = [0.001 * (1 + i % 5) for i in range(64)]  # 1-5 ms, evenly: median 3 ms
+    for path in ("check", "fires", "refresh"):
+        steps = triggers.SlowSteps(factor=100.0)
+        for d in spread:
+            if path == "refresh":
+                steps.recent.append(d)
+            else:
+                getattr(steps, path)(d)
+        if path == "refresh":
+            assert steps.refresh() == pytest.approx(max(100.0 * 0.003, 0.003 + steps.min_extra_s))
+        assert steps.median_s == pytest.approx(0.003), path
 
 
 def test_an_isolated_outlier_opens_no_window_a_repeated_or_far_one_does() -> None:

@@ -46,10 +46,13 @@ class SlowSteps:
             self.recent.append(dur_s)
             self._since += 1
             if (median is None and len(self.recent) >= 8) or self._since >= MEDIAN_EVERY:
-                ordered = sorted(self.recent)
-                self.median_s = ordered[len(ordered) // 2]
-                self._since = 0
+                self._recompute()
         return slow
+
+    def _recompute(self) -> None:
+        ordered = sorted(self.recent)
+        self.median_s = ordered[len(ordered) // 2]
+        self._since = 0
 
     def threshold_s(self) -> float | None:
         """The duration above which a step is an outlier (``check``), or None while no median is known."""
@@ -62,9 +65,7 @@ class SlowSteps:
         """The median of the recent steps, recomputed now (for a caller that appends to ``recent`` itself and asks
         ``fires`` only about steps over ``threshold_s``); the new threshold."""
         if len(self.recent) >= 8:
-            ordered = sorted(self.recent)
-            self.median_s = ordered[len(ordered) // 2]
-            self._since = 0
+            self._recompute()
         return self.threshold_s()
 
     def fires(self, dur_s: float, step: int | None = None) -> bool:
@@ -78,9 +79,7 @@ class SlowSteps:
             self.recent.append(dur_s)
             self._since += 1
             if self._since >= MEDIAN_EVERY:
-                ordered = sorted(self.recent)
-                self.median_s = ordered[len(ordered) // 2]
-                self._since = 0
+                self._recompute()
             return False
         if not self.check(dur_s):
             return False
