@@ -163,16 +163,9 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     depth = getattr(local, "depth", 0)
     if not depth and type(self) not in _root_classes:
         _note_root(type(self))
-    if len(listeners) == 1:  # one listener (the trace collector alone, as between a long run's windows): no loop
-        listener = listeners[0]
-        try:
-            token = listener.enter(self, args, kwargs)
-        except Exception as err:
-            _enter_failed(listener, err)
-            token = _FAILED
-        tokens = None if token is _FAILED else [token]
-    else:
-        tokens = _enter_all(listeners, self, args, kwargs)
+    # Listeners are entered in ``_enter_all`` only, never from this frame: Dynamo skips that function and all it
+    # calls (``_mark_for_dynamo``), not what this frame calls (the module's own forward must compile as usual).
+    tokens = _enter_all(listeners, self, args, kwargs)
     local.depth = depth + 1
     if tokens is None:  # no listener wants this call's exit
         try:
@@ -405,8 +398,13 @@ def _mark_for_dynamo() -> None:
     _marked = True
     try:
         _skip_frame(_call.__code__, with_callees=False)
-        for fn in (_enter_all, _exit_all, _on_compile_start, _on_compile_end):
+        # Every function the wrapper calls but the module's own ``__call__``: in a compiled function's graph-break
+        # gap Dynamo's frame callback is live, and a frame of ours it caught would be compiled (a different set of
+        # graphs) or, compiled under ``_lock`` (``_note_root``), would deadlock on the compile-start callback.
+        for fn in (_enter_all, _exit_all, _note_root, _on_compile_start, _on_compile_end):
             _skip_frame(fn.__code__, with_callees=True)
+        if isinstance(compiling, _CompilingFlag):
+            _skip_frame(_CompilingFlag.__dict__["_is_compiling_flag"].fget.__code__, with_callees=True)
     except Exception as err:
         internal_errors.current().record("module hooks", "mark frames for Dynamo", err)
 

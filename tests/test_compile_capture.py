@@ -275,3 +275,60 @@ def test_real_torch_tpu_package_trace_switch_and_counters(tmp_path: Path) -> Non
     eager = [(e.function, e.cache_hit, e.reason, e.duration_s) for e in events if e.kind == "tpu_eager"]
     assert eager == [("aten::add", False, "item()", 0.0015)]
     shutil.rmtree(tmp_path / "store.runs", ignore_errors=True)
+
+
+GAP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from torch import nn
+    from torch._dynamo.utils import counters
+
+    class Breaker(nn.Module):  # a module whose forward breaks the graph: called eagerly in the compiled step's gap
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            torch._dynamo.graph_break()
+            return self.lin(x) + 1
+
+    torch.manual_seed(0)
+    inner, head = Breaker(), nn.Linear(4, 2)
+
+    @torch.compile(backend="eager")
+    def step(x):
+        return head(inner(x * 2) * 3)
+
+    outs = []
+    for i in range(6):
+        outs.append(step(torch.full((3, 4), float(i))).sum().item())
+        head(torch.ones(1, 4))  # an eager root call between compiled ones
+    with open(sys.argv[1], "w") as fh:
+        json.dump({"counters": {k: dict(v) for k, v in counters.items() if k in ("frames", "stats", "graph_break")},
+                   "outs": outs}, fh)
+    """
+)
+
+
+@pytest.mark.parametrize("collect", ["default", "trace"])
+def test_a_graph_break_at_a_module_call_compiles_the_same_under_capture(tmp_path: Path, collect: str) -> None:
+    # In a compiled function's graph-break gap Dynamo's frame callback is live: a frame of tpudiag's called from
+    # the module call wrapper would be compiled (a different set of frames and graphs), and the first root call of
+    # a class, noted under the wrapper's lock, deadlocked on the compile-start callback (session 16).
+    import subprocess
+
+    (tmp_path / "script.py").write_text(GAP_SCRIPT)
+    plain = subprocess.run(
+        [sys.executable, "script.py", "plain.json"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert plain.returncode == 0, plain.stderr
+    args = [] if collect == "default" else ["--collect", collect]
+    proc = run_tpudiag(
+        "capture", "--db", str(tmp_path / "s.duckdb"), *args, "script.py", "captured.json", cwd=tmp_path, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr
+    expected = json.loads((tmp_path / "plain.json").read_text())
+    captured = json.loads((tmp_path / "captured.json").read_text())
+    assert expected["counters"]["frames"]["total"] >= 2 and expected["counters"]["graph_break"]
+    assert captured == expected
