@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -135,6 +136,7 @@ class MemoryCollector:
         self._span_from = 0  # the step of the growth span's first reading
         self._live: int | None = None  # live bytes of the last sample (the growth watch's figure)
         self._stride = Stride()  # one sample a step, thinned on fast steps (tpudiag.longrun.stride)
+        self._read_at = -math.inf  # the clock from which the stride's next reading is due
 
     # -- plugin protocol --------------------------------------------------------------------------------------
     def is_available(self) -> bool:
@@ -250,20 +252,25 @@ class MemoryCollector:
     def _after_step(self, optimizer: Any) -> None:
         """``step_points``' callback (``READ``: before the pulse's, so the step's reading is in its own pulse
         record): the step's reading if the stride says it is due, and the growth watch."""
+        # Every step, cold (see ``collectors/step_points.py``): a clock and a few attributes, no call, unless the
+        # stride's reading is due or the growth watch has something to decide.
         try:
             step = self._steps
-            if self._stride.due(step, time.monotonic()):
-                fig = self.sample_step(step)
-                self._live = next((fig[k] for k in LIVE_FIGURES if fig.get(k)), None)
-                probes.published["memory"] = {k: fig.get(k) for k in PROBE_FIGURES}  # ``probes.publish``
+            now = time.monotonic()
+            if now >= self._read_at or step < self._stride.first_steps:
+                self._read(step, now)
             live = self._live
             if live is not None and step >= triggers.WARMUP_STEPS:  # as every trigger: after warm-up
                 growth = self._growth
-                if growth.seen == 0:
-                    self._span_from = step
-                low = growth.see(live, in_window=control.STATE.window_open)
-                if low is not None and growth.floor:
-                    self._ask_for_window(low, step)
+                if growth.quiet and live == growth.held and not control.STATE.window_open:
+                    growth.quiet -= 1  # a held reading that decides nothing (``GrowthWatch``'s docstring)
+                    growth.pending += 1
+                else:
+                    if growth.seen + growth.pending == 0:
+                        self._span_from = step
+                    low = growth.see(live, in_window=control.STATE.window_open)
+                    if low is not None and growth.floor:
+                        self._ask_for_window(low, step)
             if self._dispatch is not None:
                 self._dispatch.failed_op = None  # an error the script caught and went past
                 if self._dispatch.full():
@@ -271,6 +278,15 @@ class MemoryCollector:
         except Exception as err:  # never into the user's optimizer step
             internal_errors.current().record("memory", "sample a step", err)
         self._steps += 1
+
+    def _read(self, step: int, now: float) -> None:
+        """The step's reading, if the stride says it is due (``tpudiag.longrun.stride``)."""
+        stride = self._stride
+        if stride.due(step, now):
+            fig = self.sample_step(step)
+            self._live = next((fig[k] for k in LIVE_FIGURES if fig.get(k)), None)
+            probes.published["memory"] = {k: fig.get(k) for k in PROBE_FIGURES}  # ``probes.publish``
+        self._read_at = stride.next_s()
 
     def _ask_for_window(self, low: int, step: int) -> None:
         """A ``memory`` window: the live bytes grew well past their post-warm-up floor (judged every step on the

@@ -197,10 +197,10 @@ class PulseRecorder:
         # The numerics checker's time since the last step's end (its checks in this step, its boundary work in the
         # gap) is tpudiag's own time: counted as such, and never judged as the script's slowness.  So is what
         # tpudiag's background threads did meanwhile (the script's thread waited on their GIL).
-        clock = control.checker_clock
+        budget = control.checker_budget
         checker_ns = 0
-        if clock is not None:
-            checker = clock()
+        if budget is not None:
+            checker = budget.extra_s + budget.per_op_overhead_s * budget.ops_seen  # ``Budget.own_s``, no call
             if checker != self._checker_s:
                 checker_ns = max(int((checker - self._checker_s) * 1e9), 0)
                 self._checker_s = checker

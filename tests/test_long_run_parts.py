@@ -442,19 +442,42 @@ def test_pulse_sees_a_non_finite_gradient_a_step_later_and_records_every_step(tm
     assert rows[0][2] == "[[3, 4]]"
 
 
-def _growth_asks(readings: Iterable[tuple[int, int, bool]]) -> list[int]:
+def _growth_asks(readings: Iterable[tuple[int, int, bool]], held: bool = False) -> list[int]:
     """The steps at which the memory growth watch (16-step spans) asks for a window, each ask granted, over
-    (step, live bytes, whether a trace window covers the step) readings."""
+    (step, live bytes, whether a trace window covers the step) readings; ``held``: with the memory collector's
+    shortcut for held readings."""
     from tpudiag.longrun.growth import GrowthWatch
 
     watch = GrowthWatch(span=16)
     asked = []
     for step, live, window in readings:
+        if held and watch.quiet and live == watch.held and not window:  # the memory collector's shortcut
+            watch.quiet -= 1
+            watch.pending += 1
+            continue
         low = watch.see(live, in_window=window)
         if low is not None:
             asked.append(step)
             watch.granted(low)
     return asked
+
+
+def test_memory_growth_counts_held_readings_without_a_call_and_asks_at_the_same_steps() -> None:
+    # The memory collector counts a step whose held reading decides nothing as pending (no call on ~15 of every
+    # 16 fast steps): every ask lands on the step it would land on with every step seen.
+    mib = 1 << 20
+
+    def readings(hold: int) -> list[tuple[int, int, bool]]:
+        out, live = [], 0
+        for step in range(2000):
+            if step % hold == 0:  # a new reading every ``hold`` steps, held in between
+                live = 400 * mib + max(step - 600, 0) * mib + (80 * mib if step % 300 < 40 else 0)
+            out.append((step, live, 900 <= step < 930 or 1500 <= step < 1503))
+        return out
+
+    for hold in (1, 5, 16, 35):
+        every = _growth_asks(readings(hold))
+        assert every and every == _growth_asks(readings(hold), held=True), hold
 
 
 def test_memory_growth_is_judged_on_a_spans_low_so_transient_peaks_never_ask_for_a_window() -> None:
@@ -608,19 +631,21 @@ def test_the_pulse_never_counts_more_own_time_than_the_step_took(tmp_path: Path)
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    clock = {"s": 0.0}
-    control.set_checker_clock(lambda: clock["s"])
+    from tpudiag.collectors.numerics.sampling import Budget
+
+    clock = Budget(pct=None)
+    control.set_checker_budget(clock)
     try:
         pulse = PulseRecorder(CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / "spool")))
         for step in range(4):
             pulse.step_begin((torch.ones(1),), {})
             model(torch.randn(3, 4)).sum().backward()
             if step == 2:
-                clock["s"] += 0.5  # half a second "spent" by the checker, all at once
+                clock.extra_s += 0.5  # half a second "spent" by the checker, all at once
             pulse.step_end(opt)
         pulse.stop()
     finally:
-        control.set_checker_clock(None)
+        control.set_checker_budget(None)
     import pyarrow.parquet as pq
 
     table = pq.read_table(tmp_path / "spool" / "pulse")
@@ -643,8 +668,10 @@ def test_a_step_the_checker_watched_is_never_judged_slow(tmp_path: Path) -> None
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    clock = {"s": 0.0}
-    control.set_checker_clock(lambda: clock["s"])
+    from tpudiag.collectors.numerics.sampling import Budget
+
+    clock = Budget(pct=None)
+    control.set_checker_budget(clock)
     fired: list[int] = []
     try:
         pulse = PulseRecorder(CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / "spool")))
@@ -654,13 +681,13 @@ def test_a_step_the_checker_watched_is_never_judged_slow(tmp_path: Path) -> None
             model(torch.randn(3, 4)).sum().backward()
             if step >= triggers.WARMUP_STEPS and step % 5 == 0:
                 time.sleep(0.03)  # a watched step: far slower than its median...
-                clock["s"] += 0.001  # ... of which the checker's clock holds only a little
+                clock.extra_s += 0.001  # ... of which the checker's clock holds only a little
             pulse.step_end(opt)
             if pulse.slow_ratio is not None:
                 fired.append(step)
         pulse.stop()
     finally:
-        control.set_checker_clock(None)
+        control.set_checker_budget(None)
     assert fired == []
     assert pulse.slow._last_slow is None  # not even counted as an outlier
 

@@ -127,12 +127,10 @@ class NumericsCollector(StepBoundaries, RunSummary):
             from tpudiag.collectors import step_points
 
             # After the trace collector's window plan: a trigger window's first step is watched already.
-            self._step_hook = step_points.add(
-                self._on_optimizer_step, step_points.FOLLOW, "numerics", main_thread_only=False
-            )
+            self._step_hook = step_points.add(self._step_end, step_points.FOLLOW, "numerics", main_thread_only=False)
             self._steps.t0 = time.perf_counter()
             self._steps.spent0 = self._mode.budget.spent()
-            control.set_checker_clock(self._mode.budget.own_s)
+            control.set_checker_budget(self._mode.budget)
             self._attach()
             self._progress = threading.Thread(target=self._progress_loop, name="tpudiag-numerics", daemon=True)
             self._progress.start()
@@ -146,7 +144,7 @@ class NumericsCollector(StepBoundaries, RunSummary):
         if self._ctx is None:
             return
         mode: Any = self._mode
-        control.set_checker_clock(None)
+        control.set_checker_budget(None)
         if mode is not None:
             mode.active = False  # whatever happens below, nothing more is checked
         if self._entered:

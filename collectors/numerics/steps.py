@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from tpudiag.collectors.numerics.collector import NumericsCollector
 
 _is_compiling = torch.compiler.is_compiling
+_Tensor = torch.Tensor
 
 # The heap is trimmed after a checked stretch at most this often (a trim is ~50 us when nothing is free, a few ms
 # after a large stretch).
@@ -94,7 +95,7 @@ class StepBoundaries:
                     self._root = module
                     return
             elif module is self._root:
-                self._boundary()
+                self._step_end()
                 return
         mode: Any = self._mode
         # The first step is watched to its end (checks stop, the mode only counts) so that the calls of the steps
@@ -120,26 +121,71 @@ class StepBoundaries:
             st.rewatch = True
             st.rewatches += 1
 
-    def _on_optimizer_step(self, optimizer: Any) -> None:
-        """``step_points``' callback: never while Dynamo traces a compiled optimizer step."""
-        # Every step: a plain try (``internal_errors.guard``, a generator context manager, cost ~5 us a step).
+    def _step_end(self, optimizer: Any = None) -> None:
+        """A step's end: ``step_points``' callback at an optimizer step's (never while Dynamo traces a compiled
+        one), and at a root forward's in a script without an optimizer (``optimizer`` None).
+
+        The boundary between two steps neither of which is watched (most steps of a long run) is made here in a few
+        lines, without a call (the full ``_boundary`` cost ~4x as much, and each call on a step whose caches the
+        script has just filled is a cold frame): the step that ended was not watched and left nothing to settle,
+        and the next one wants no watching for any reason (schedule, re-check, new inputs, a trigger window's
+        boost).  Any other boundary is ``_boundary``'s."""
+        # A plain try (``internal_errors.guard``, a generator context manager, cost ~5 us a step).
         try:
-            self._opt_steps += 1
+            if optimizer is not None:
+                self._opt_steps += 1
             mode = self._mode
-            if mode is not None and mode.active and not self._quiet_boundary(mode, self._steps, time.perf_counter()):
+            if mode is None or not mode.active:
+                return
+            st = self._steps
+            now = time.perf_counter()
+            step = st.step + 1
+            sch = st.schedule  # ``StepSchedule.wants``, inlined
+            if (
+                st.watching or st.rewatch or st.unmeasured or st.plain_s is None or self._entered or mode.spent_calls
+                or sch.watch_all or step < sch.warmup or not sch.steady or step % sch.every == 0
+                or control.STATE.numerics_wanted
+            ):  # fmt: skip
                 self._boundary()
+                return
+            # ``_unwatched_step_done`` and ``_replay`` inlined for the case here (no watched step waits to be
+            # charged).  A step not watched for ``steady_state`` is counted in ``quiet_steps``, which
+            # ``_settle_quiet`` adds to the per-reason counts before anything reads them.
+            took = now - st.t0
+            if took < st.plain_s:
+                st.plain_s = took
+            if st.reason == "steady_state":
+                if not st.quiet_steps:
+                    st.quiet_seq = mode.seq
+                st.quiet_steps += 1
+            else:
+                self._replay(st.reason)
+                st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
+                st.reason = "steady_state"
+            if mode.step_calls:
+                mode.step_calls = {}
+            st.step = step
+            # ``Sampler.begin_step(False, False, capped, now)``, inlined: ``boost`` and ``recheck`` are off already
+            # (an unwatched step was begun with them off), as are the step's ``background_step``, ``boost_step`` and
+            # ``partial``.  ``_step_started``'s figures (signatures, spent and check seconds at the start) are read
+            # only at the end of a watched step, and only ``_boundary`` begins one.
+            sampler = mode.sampler
+            capped = sch.settled and step >= FIRST_STEPS and sampler.options.mode != "all"
+            sampler.check_until = now + CHECK_STEP_S if capped else None
+            st.t0 = time.perf_counter()
         except Exception as err:
-            internal_errors.current().record("numerics", "optimizer step hook", err)
+            where = "optimizer step hook" if optimizer is not None else "step boundary"
+            internal_errors.current().record("numerics", where, err)
 
     def _boundary(self) -> None:
-        """End of a step: learn from it, replay its ops if it was not watched, decide whether to watch the next."""
+        """End of a step (``_step_end``, when it is not the quiet kind): learn from it, replay its ops if it was not
+        watched, decide whether to watch the next."""
         mode: Any = self._mode
         if mode is None or not mode.active or _is_compiling():
             return
         st = self._steps
         now = time.perf_counter()
-        if self._quiet_boundary(mode, st, now):
-            return
+        self._settle_quiet(st)
         took = now - st.t0
         budget = mode.budget
         spent_in_step = budget.spent() - st.spent0
@@ -211,47 +257,6 @@ class StepBoundaries:
             st.watching = self._entered  # a mode of the script's own above ours: keep watching
         self._step_started(mode, st)
 
-    def _quiet_boundary(self, mode: Any, st: StepState, now: float) -> bool:
-        """The boundary between two steps neither of which is watched, in few lines (most steps of a long run: the
-        full ``_boundary`` below cost ~4x as much).  False (nothing done) unless the step that ended was not watched,
-        left nothing to settle, and the next one wants no watching for any reason (schedule, re-check, new inputs,
-        a trigger window's boost)."""
-        if st.watching or st.rewatch or st.unmeasured or st.plain_s is None or self._entered or mode.spent_calls:
-            return False
-        step = st.step + 1
-        sch = st.schedule  # ``StepSchedule.wants``, inlined
-        if sch.watch_all or step < sch.warmup or not sch.steady or step % sch.every == 0:
-            return False
-        if control.STATE.numerics_wanted:
-            return False
-        # ``_unwatched_step_done`` and ``_replay`` inlined for the case here (no watched step waits to be charged).
-        took = now - st.t0
-        if took < st.plain_s:
-            st.plain_s = took
-        reason = st.reason
-        if st.profile and self._recorder is not None:
-            if not st.pending_replays:
-                st.pending_seq = mode.seq
-            st.pending_replays[reason] = st.pending_replays.get(reason, 0) + 1
-        st.unwatched[reason] = st.unwatched.get(reason, 0) + 1
-        if mode.step_calls:
-            mode.step_calls = {}
-        st.step = step
-        st.background_step = st.boost_step = False
-        sampler = mode.sampler  # ``Sampler.begin_step(False, False, capped, now)``, inlined
-        sampler.boost = sampler.recheck = False
-        capped = sch.settled and step >= FIRST_STEPS and sampler.options.mode != "all"
-        sampler.check_until = now + CHECK_STEP_S if capped else None
-        st.reason = "steady_state"
-        st.partial = False
-        # ``_step_started``, inlined
-        st.signatures0 = len(sampler.counts)
-        st.t0 = time.perf_counter()
-        budget = mode.budget
-        st.spent0 = budget.spent()
-        st.check0 = budget.check_s
-        return True
-
     def _unwatched_step_done(self, st: StepState, budget: Any, took: float) -> None:
         """A step that was not watched has ended (``took`` seconds): its plain time and its calls, counted."""
         st.plain_s = took if st.plain_s is None else min(st.plain_s, took)
@@ -292,9 +297,23 @@ class StepBoundaries:
             if rest > 0:
                 self._recorder.aggregate(seq, op, phase, None, reason, flops * rest / calls, None, calls=rest)
 
+    def _settle_quiet(self, st: StepState) -> None:
+        """The ``steady_state`` steps ``_step_end`` counted in ``quiet_steps``: into the per-reason counts (and the
+        replays pending, as ``_replay`` would have put them, at the sequence number of the first of them)."""
+        n = st.quiet_steps
+        if not n:
+            return
+        st.quiet_steps = 0
+        st.unwatched["steady_state"] = st.unwatched.get("steady_state", 0) + n
+        if st.profile and self._recorder is not None:
+            if not st.pending_replays:
+                st.pending_seq = st.quiet_seq
+            st.pending_replays["steady_state"] = st.pending_replays.get("steady_state", 0) + n
+
     def _replay_pending(self) -> None:
         """Record the counted unwatched steps' calls (``_replay``) from the profile they repeated."""
         st = self._steps
+        self._settle_quiet(st)
         pending, st.pending_replays = st.pending_replays, {}
         if not pending or not st.profile or self._recorder is None:
             return
@@ -322,7 +341,13 @@ class ModuleBoundaries:
     def enter(self, module: Any, args: Any, kwargs: Any) -> Any:
         c = self._collector
         if id(module) in c._probes:
-            c._probe(module, args, kwargs)
+            # ``input_signature``'s value for ``model(x)`` without its calls (every step's root call): a torch.Size
+            # equals and hashes as the tuple of its sizes.
+            if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:
+                if ((args[0].shape, args[0].dtype),) not in c._root_inputs:
+                    c._probe(module, args, kwargs)
+            else:
+                c._probe(module, args, kwargs)
         if c._module_hook_on:
             c._on_module(module, args)
         return module_calls.NO_EXIT  # nothing to do on exit: not called
@@ -361,6 +386,8 @@ class StepState:
         self.boost_step = False
         self.pending_replays: dict[str, int] = {}  # reason -> whole unwatched steps not yet recorded (``_replay``)
         self.pending_seq = 0
+        self.quiet_steps = 0  # ``steady_state`` steps ``_step_end`` counted, not yet in ``unwatched``
+        self.quiet_seq = 0  # the sequence number at the first of them
 
 
 def input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 REASONS = (
     "first_steps",
@@ -134,23 +135,25 @@ def compile_detail() -> str | None:
     return _state.compile_detail
 
 
-# The numerics checker's cumulative own seconds (its dispatch mode's time on the script's calls, checks included),
-# read by the pulse at each step's end: a step's checker time is tpudiag's own time, never the script's slowness.
-checker_clock: Callable[[], float] | None = None
+# The numerics checker's budget (``collectors/numerics/sampling.Budget``), read by the pulse at each step's end: its
+# own seconds so far (its dispatch mode's time on the script's calls, checks included) are ``extra_s +
+# per_op_overhead_s * ops_seen`` (``Budget.own_s``, which the pulse sums without the call: one cold frame fewer a
+# step).  A step's checker time is tpudiag's own time, never the script's slowness.
+checker_budget: Any = None
 
 
-def set_checker_clock(clock: Callable[[], float] | None) -> None:
-    global checker_clock
-    checker_clock = clock
+def set_checker_budget(budget: Any) -> None:
+    global checker_budget
+    checker_budget = budget
 
 
 def checker_seconds() -> float:
     """Seconds the numerics checker has spent so far in this process (0 without one)."""
-    clock = checker_clock
-    if clock is None:
+    budget = checker_budget
+    if budget is None:
         return 0.0
     try:
-        return float(clock())
+        return float(budget.own_s())
     except Exception:
         return 0.0
 

@@ -18,6 +18,12 @@ span's low ``b`` against ``a`` is the script's own rate.  The floor moves up by 
 script grew at that rate over the same steps; then ``b`` is judged.  So a window's leftover is never a leak, and a
 leak that keeps opening windows is still found on the second span after each (an earlier version skipped a span
 and absorbed all growth across it: a leak that opened ``slow_step`` windows every few dozen steps hid under them).
+
+Held readings (issue 21: the memory collector's per-step cost).  On fast steps the reading is held for ~35 steps
+between two samples, and ``see`` on such a step only counts it.  After each ``see`` outside a window, ``quiet`` is
+how many more steps of the same reading outside a window would decide nothing (the span does not close in them
+and does not begin in them): the caller may count such a step as ``pending`` (``quiet -= 1; pending += 1``) instead
+of calling ``see``, which takes the pending steps in first, exactly as if each had been seen.
 """
 
 from __future__ import annotations
@@ -42,10 +48,30 @@ class GrowthWatch:
     _before: tuple[int, int] | None = None  # the last reading before the window that is open or being read after
     _first: tuple[int, int] | None = None  # (first step, low) of the first span after that window
     _in_window: bool = False
+    held: int | None = None  # the reading of the last ``see`` outside a window
+    quiet: int = 0  # steps of ``held`` outside a window that may be counted as ``pending`` (see the docstring)
+    pending: int = 0
 
     def see(self, live: int, in_window: bool = False) -> int | None:
         """One step's live bytes (``in_window``: a trace window covers the step); the span's low when it closes
         grown past the floor (ask for a window), else None."""
+        if self.pending:
+            self._take_pending()
+        low = self._see(live, in_window)
+        self.held = None if in_window else live
+        self.quiet = self.span - 1 - self.seen if self.seen and not in_window else 0
+        return low
+
+    def _take_pending(self) -> None:
+        """The steps counted as ``pending``: each a step of ``held`` outside a window that closed no span (the span's
+        low already holds ``held``: it was seen on the step before them)."""
+        assert self.held is not None
+        n, self.pending = self.pending, 0
+        self._steps += n
+        self._prev = (self._steps, self.held)
+        self.seen += n
+
+    def _see(self, live: int, in_window: bool) -> int | None:
         self._steps += 1
         if in_window != self._in_window:
             self._window_edge(in_window)

@@ -32,3 +32,7 @@ class Stride:
             return False
         self._last = now
         return True
+
+    def next_s(self) -> float:
+        """From when (the clock ``due`` is given) a step past the first ones is due."""
+        return self._last + self.every_s

@@ -68,6 +68,7 @@ class Graph:
     skipped_bw: dict[str, int] = field(default_factory=dict)  # backward checks not made, by reason
     backward_checks: int = 0
     backward_divergent: int = 0
+    sampled_out: bool = False  # its one signature is past its first K calls (``compiled_region``'s fast path)
 
 
 class CompiledChecker:
@@ -195,6 +196,15 @@ class CompiledChecker:
         def compiled_region(*args: Any) -> Any:
             if not checker.active:
                 return compiled(*args)
+            if g.sampled_out and g.unverifiable is None:
+                # What ``_plan`` would decide, without its calls (every call of a long run's steady state): a graph
+                # with no integer inputs has one signature, past its first K calls for good (``Sampler.wants``),
+                # so only a step that re-checks or checks every call can want it.
+                schedule = checker.ctx.schedule
+                if schedule is None or not (schedule.boost or schedule.recheck):
+                    g.calls += 1
+                    g.skipped["sampled"] += 1
+                    return compiled(*args)
             try:
                 plan = checker._plan(g, args)
             except Exception as e:
@@ -230,6 +240,7 @@ class CompiledChecker:
             sampler.check_until, sampler.rechecked = schedule.check_until, schedule.rechecked
         if not sampler.wants(signature):
             g.skipped["sampled"] = g.skipped.get("sampled", 0) + 1
+            g.sampled_out = not ints  # refused for the first-K count: for good (refusals only follow an admission)
             return None
         numel = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
         if numel > SIZE_CAP:
