@@ -154,9 +154,6 @@ class PulseRecorder:
         self._writer.start()
 
     # -- per step (training thread) -----------------------------------------------------------------------
-    def now_ns(self) -> int:
-        return time.perf_counter_ns()
-
     def add_own(self, ns: int) -> None:
         self._own += ns
 
