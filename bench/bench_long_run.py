@@ -75,6 +75,7 @@ def _run(mode: str, work: Path, seconds: float, n: int) -> dict[str, Any]:
                 "SELECT step, round(own_ns / 1e6, 1), round(dur_ns / 1e6, 1) FROM pulse WHERE window_id IS NULL "
                 "ORDER BY own_ns DESC LIMIT 5"
             ).fetchall()
+            spent = _capture_seconds(con, seconds)
         out.update(
             tpudiag_top_outside_windows=[{"step": s, "own_ms": o, "step_ms": d} for s, o, d in top],
             pulse_steps=pulse.get("steps"),
@@ -88,7 +89,31 @@ def _run(mode: str, work: Path, seconds: float, n: int) -> dict[str, Any]:
                 w["reason"] == "slow_step" and w["top_ops"] and w["top_ops"][0]["name"] == "aten::sort" for w in windows
             ),
             recompile_captured="recompile" in reasons,
+            capture_seconds=spent,
         )
+    return out
+
+
+def _capture_seconds(con: Any, seconds: float) -> dict[str, float]:
+    """Where the capture's extra time went, in seconds of the loop's ``seconds`` (from its own pulse): the windows'
+    steps beyond what as many steps take outside windows (profiler on, every op checked in trigger windows, the
+    session's start and stop; the first window apart, since its steps also hold the script's own warm-up), and
+    tpudiag's measured own time in steps outside windows (numerics re-checks, readings).  The hooks' frames on every
+    step are in neither (``bench_step_hooks`` measures them)."""
+    median_ns = con.execute("SELECT median(dur_ns + gap_ns) FROM pulse WHERE window_id IS NULL").fetchone()[0] or 0
+    rows = con.execute(
+        "SELECT window_id = 0, count(*), sum(dur_ns + gap_ns) FROM pulse WHERE window_id IS NOT NULL GROUP BY 1"
+    ).fetchall()
+    extra = {bool(first): ((total or 0) - n * median_ns) / 1e9 for first, n, total in rows}
+    own_ns = con.execute("SELECT sum(own_ns) FROM pulse WHERE window_id IS NULL").fetchone()[0] or 0
+    figures = {
+        "first_window_extra": extra.get(True, 0.0),
+        "later_windows_extra": extra.get(False, 0.0),
+        "own_outside_windows": own_ns / 1e9,
+    }
+    out = {f"{k}_s": round(v, 2) for k, v in figures.items()}
+    out.update({f"{k}_pct": round(100 * v / seconds, 2) for k, v in figures.items()})
+    out["later_window_steps"] = float(sum(n for first, n, _ in rows if not first))
     return out
 
 
@@ -157,6 +182,8 @@ def main() -> dict[str, object]:
         "capture_tpudiag_top_outside_windows": cap["tpudiag_top_outside_windows"],
         "capture_pulse_covers_every_step": cap["pulse_steps"] == cap["steps"],
         "capture_windows": cap["windows"],
+        # Where the capture's time went, from its pulse (the hooks' own frames on every step are bench_step_hooks').
+        "capture_seconds": cap["capture_seconds"],
         "capture_disk_mb": cap["disk_mb"],
         "capture_store_mb": cap["store_mb"],
         "anomalies_captured": {"slow_step": cap["slow_step_captured"], "recompile": cap["recompile_captured"]},
