@@ -94,7 +94,7 @@ def _run(mode: str, work: Path, seconds: float, n: int) -> dict[str, Any]:
     return out
 
 
-def _capture_seconds(con: Any, seconds: float) -> dict[str, float]:
+def _capture_seconds(con: Any, seconds: float) -> dict[str, float | int]:
     """Where the capture's extra time went, in seconds of the loop's ``seconds`` (from its own pulse): the windows'
     steps beyond what as many steps take outside windows (profiler on, every op checked in trigger windows, the
     session's start and stop; the first window apart, since its steps also hold the script's own warm-up), and
@@ -111,9 +111,9 @@ def _capture_seconds(con: Any, seconds: float) -> dict[str, float]:
         "later_windows_extra": extra.get(False, 0.0),
         "own_outside_windows": own_ns / 1e9,
     }
-    out = {f"{k}_s": round(v, 2) for k, v in figures.items()}
+    out: dict[str, float | int] = {f"{k}_s": round(v, 2) for k, v in figures.items()}
     out.update({f"{k}_pct": round(100 * v / seconds, 2) for k, v in figures.items()})
-    out["later_window_steps"] = float(sum(n for first, n, _ in rows if not first))
+    out["later_window_steps"] = sum(n for first, n, _ in rows if not first)
     return out
 
 

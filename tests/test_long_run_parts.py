@@ -758,3 +758,16 @@ def test_a_step_stalled_by_tpudiags_background_threads_is_judged_without_the_sta
 
     assert run(background=True) == []
     assert run(background=False) != []  # the same stall, the script's own: found
+
+
+def test_the_root_probes_inline_signature_finds_what_input_signature_recorded() -> None:
+    # ``ModuleBoundaries.enter`` tests ``model(x)``'s inputs against the recorded signatures without calling
+    # ``input_signature`` (every step's root call): the two forms must hash and compare equal, or every step would
+    # probe again.
+    import torch
+
+    from tpudiag.collectors.numerics.steps import input_signature
+
+    for x in (torch.ones(32, 128), torch.ones(3, dtype=torch.int64), torch.tensor(1.0)):
+        assert ((x.shape, x.dtype),) in {input_signature((x,), {})}
+    assert ((torch.ones(4).shape, torch.float32),) not in {input_signature((torch.ones(5),), {})}
