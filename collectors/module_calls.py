@@ -354,10 +354,9 @@ def _register_compile_callbacks() -> None:
     if _callbacks is not None:
         return
     try:
-        from torch._dynamo.callback import callback_handler
+        from tpudiag.collectors import compile_callbacks  # kept across the script's ``torch._dynamo.reset()``
 
-        callback_handler.register_start_callback(_on_compile_start)
-        callback_handler.register_end_callback(_on_compile_end)
+        compile_callbacks.register(_on_compile_start, _on_compile_end)
         _callbacks = (_on_compile_start, _on_compile_end)
     except Exception as err:
         internal_errors.current().record("module hooks", "register compile callbacks", err)
@@ -368,10 +367,9 @@ def _unregister_compile_callbacks() -> None:
     if _callbacks is None:
         return
     try:
-        from torch._dynamo.callback import callback_handler
+        from tpudiag.collectors import compile_callbacks
 
-        callback_handler.remove_start_callback(_callbacks[0])
-        callback_handler.remove_end_callback(_callbacks[1])
+        compile_callbacks.remove(*_callbacks)
     except Exception as err:
         internal_errors.current().record("module hooks", "remove compile callbacks", err)
     _callbacks = None

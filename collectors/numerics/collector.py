@@ -214,18 +214,18 @@ class NumericsCollector(StepBoundaries, RunSummary):
 
     def _register_compile_callback(self) -> None:
         with contextlib.suppress(Exception):
-            from torch._dynamo.callback import callback_handler
+            from tpudiag.collectors import compile_callbacks  # kept across the script's ``torch._dynamo.reset()``
 
             def on_start(*_args: Any, **_kwargs: Any) -> None:
                 self._compiles += 1
 
-            callback_handler.register_start_callback(on_start)
+            compile_callbacks.register(on_start)
             self._compile_cb = on_start
 
     def _unregister_compile_callback(self) -> None:
         if self._compile_cb is None:
             return
         with contextlib.suppress(Exception):
-            from torch._dynamo.callback import callback_handler
+            from tpudiag.collectors import compile_callbacks
 
-            callback_handler.remove_start_callback(self._compile_cb)
+            compile_callbacks.remove(self._compile_cb)
