@@ -278,7 +278,13 @@ class LongRunMixin:
         if self._pulse is None or self._ctx is None:
             return
         try:
-            self._pulse.stop()
+            pulse = self._pulse
+            if pulse.roots.by_root and pulse.started_ns is not None:
+                # The step of the script's last root call (collectors/root_steps.py) ends with the script: recorded,
+                # the window plan left out (its windows are closed).
+                pulse.plan = None
+                pulse.step_end(None)
+            pulse.stop()
         except Exception as err:
             internal_errors.current().record("pulse", "stop", err)
         pulse = self._pulse

@@ -153,7 +153,7 @@ class MemoryCollector:
 
         self._ctx = ctx
         self._sampler = MemorySampler()
-        self._hooks.append(step_points.add(self._after_step, step_points.READ, "memory"))
+        self._hooks.append(step_points.add(self._after_step, step_points.READ, "memory", by_root=True))
         self._remove_listener = runner.add_failure_listener(self._on_failure)
         if ctx.options.get("memory_dispatch"):
             from tpudiag.collectors.memory_dispatch import LiveBytes

@@ -37,6 +37,7 @@ from typing import Any
 import torch  # the capture has it loaded: this module is imported when a capture starts
 
 from tpudiag import internal_errors
+from tpudiag.collectors.root_steps import RootSteps
 from tpudiag.longrun import control, probes
 from tpudiag.longrun.stride import Stride
 from tpudiag.longrun.triggers import MEDIAN_EVERY, SlowSteps
@@ -109,6 +110,7 @@ class PulseRecorder:
         self._epoch_offset = time.time_ns() - time.perf_counter_ns()
         self.started_ns: int | None = None  # the step's first root forward; None between a step's end and the next
         self.ended = False  # a step ended and no root forward has come since (the trace collector's step boundary)
+        self.roots = RootSteps()  # when root calls end steps too (collectors/root_steps.py)
         # The window plan (set by the trace collector): ``step_end`` hands it the step unless it is quiet.
         self.plan: Any = None
         self.poller: Any = None  # the manual trigger's
@@ -184,6 +186,8 @@ class PulseRecorder:
         the rolling median and the hand-off of the records to the writer thread, which builds the table."""
         end = time.perf_counter_ns()
         self.ended = True
+        if optimizer is not None and self.roots.by_root:  # an optimizer step: only these end steps from now on
+            self.roots.by_root = False
         start, prev = self.started_ns, self._prev_end
         step = self.step
         fired: list[tuple[str, str]] | tuple[()] = NOTHING
@@ -323,6 +327,9 @@ class PulseRecorder:
 
     # -- non-finite gradients, read a step late ---------------------------------------------------------------
     def _start_check(self, optimizer: Any) -> None:
+        if optimizer is None:  # a step ended at a root call (collectors/root_steps.py): no gradients to check
+            self._check = None
+            return
         try:
             if torch._C._autograd._profiler_enabled():
                 # Inside a trace window no check: the window's trace (and its exports) hold the script's ops only,

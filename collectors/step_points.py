@@ -13,10 +13,13 @@ calls the callbacks in a fixed order:
 - ``FOLLOW``: what acts on the plan's decision for the next step (the numerics collector watches a trigger window's
   first step).
 
-A callback gets the optimizer.  ``main_thread_only`` callbacks are skipped when a step ends on another thread.  One
-that raises is recorded in ``tpudiag.internal_errors`` and the others still run.  While Dynamo traces a compiled
-optimizer step the hook returns at once, before reading any tpudiag state (and Dynamo skips its frame and all it
-calls): the hook dict it guards on holds the same single hook for the whole capture.
+A callback gets the optimizer.  In a script without an optimizer step (serving, generation, evaluation) the trace
+collector ends steps at its root module's calls instead (``collectors/root_steps.py``): ``end_without_optimizer``
+calls the callbacks added with ``by_root`` (the memory reading and the pulse; the numerics collector makes its own
+root-forward steps) with None for the optimizer.  ``main_thread_only`` callbacks are skipped when a step ends on
+another thread.  One that raises is recorded in ``tpudiag.internal_errors`` and the others still run.  While Dynamo
+traces a compiled optimizer step the hook returns at once, before reading any tpudiag state (and Dynamo skips its
+frame and all it calls): the hook dict it guards on holds the same single hook for the whole capture.
 """
 
 from __future__ import annotations
@@ -37,15 +40,19 @@ Callback = Callable[[Any], None]
 
 _lock = threading.Lock()
 _callbacks: tuple[tuple[Callback, bool, str], ...] = ()  # (callback, main_thread_only, name), in order
-_entries: list[tuple[int, int, Callback, bool, str]] = []  # (order, serial, ...): the source of ``_callbacks``
+_by_root: tuple[tuple[Callback, str], ...] = ()  # the callbacks added with ``by_root``, in the same order
+_entries: list[tuple[int, int, Callback, bool, str, bool]] = []  # (order, serial, ..., by_root): their source
 _serial = 0
 _hook: Any = None  # torch's handle of the one registered hook
 _main_ident = threading.main_thread().ident
 
 
-def _ordered() -> tuple[tuple[Callback, bool, str], ...]:
-    """``_callbacks`` from ``_entries``: by order, then as added (under ``_lock``)."""
-    return tuple((fn, main, name) for _, _, fn, main, name in sorted(_entries, key=lambda e: (e[0], e[1])))
+def _reorder() -> None:
+    """``_callbacks`` and ``_by_root`` from ``_entries``: by order, then as added (under ``_lock``)."""
+    global _callbacks, _by_root
+    ordered = sorted(_entries, key=lambda e: (e[0], e[1]))
+    _callbacks = tuple((fn, main, name) for _, _, fn, main, name, _root in ordered)
+    _by_root = tuple((fn, name) for _, _, fn, _main, name, root in ordered if root)
 
 
 @dataclass(frozen=True)
@@ -53,27 +60,30 @@ class StepEndHandle:
     serial: int
 
     def remove(self) -> None:
-        global _callbacks, _hook
+        global _hook
         with _lock:
             _entries[:] = [e for e in _entries if e[1] != self.serial]
-            _callbacks = _ordered()
+            _reorder()
             if not _entries and _hook is not None:
                 hook, _hook = _hook, None
                 hook.remove()
 
 
-def add(callback: Callback, order: int, name: str, main_thread_only: bool = True) -> StepEndHandle:
+def add(
+    callback: Callback, order: int, name: str, main_thread_only: bool = True, by_root: bool = False
+) -> StepEndHandle:
     """Call ``callback(optimizer)`` at the end of every optimizer step, after the callbacks of lower ``order`` (and
-    of the same order added before it)."""
-    global _callbacks, _hook, _serial
+    of the same order added before it); with ``by_root``, also ``callback(None)`` at every step end of a script
+    without an optimizer step (``end_without_optimizer``)."""
+    global _hook, _serial
     with _lock:
         if _hook is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             _hook = register_optimizer_step_post_hook(module_calls.skip_in_dynamo(_on_step_end))
         _serial += 1
-        _entries.append((order, _serial, callback, main_thread_only, name))
-        _callbacks = _ordered()
+        _entries.append((order, _serial, callback, main_thread_only, name, by_root))
+        _reorder()
         return StepEndHandle(_serial)
 
 
@@ -87,4 +97,14 @@ def _on_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             callback(optimizer)
         except Exception as err:  # never into the user's optimizer step
+            internal_errors.current().record("step hooks", name, err)
+
+
+def end_without_optimizer() -> None:
+    """A step's end in a script without an optimizer step (``collectors/root_steps.py``, on the main thread, never
+    while Dynamo traces): the ``by_root`` callbacks, with None for the optimizer."""
+    for callback, name in _by_root:
+        try:
+            callback(None)
+        except Exception as err:  # never into the user's forward
             internal_errors.current().record("step hooks", name, err)

@@ -25,6 +25,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,9 @@ class TraceCollector(LongRunMixin):
                                 self._boundary()
                         elif self._chunk_due():
                             self._rotate()
+                    pulse.roots.began(id(module))
+                    pulse.step_begin(args, kwargs)
+                elif self._root_step(pulse, module):  # another root call in the step: a step of its own?
                     pulse.step_begin(args, kwargs)
                 if self._prof is not None:
                     root_inputs.append(input_shapes(args, kwargs))
@@ -160,7 +164,7 @@ class TraceCollector(LongRunMixin):
             from tpudiag.collectors import step_points
 
             on_step_end = self._pulse.step_end if self._pulse is not None else self._after_optimizer_step
-            self._hooks.append(step_points.add(on_step_end, step_points.PULSE, "trace"))
+            self._hooks.append(step_points.add(on_step_end, step_points.PULSE, "trace", by_root=True))
             self._patch_user_sessions()
             from tpudiag.collectors import tpu_profiler
 
@@ -231,6 +235,32 @@ class TraceCollector(LongRunMixin):
         sessions corrupts Kineto's heap (seen on torch 2.13).
         """
         self._step_ended = True
+
+    def _root_step(self, pulse: Any, module: Any) -> bool:
+        """A root call while a step is in progress: when it begins a new step (``collectors/root_steps.py``: a
+        script without an optimizer step, or an evaluation between training steps), the step in progress ends
+        here, as at an optimizer step, and the boundary is made."""
+        try:
+            if threading.get_ident() != self._main_ident:
+                return False
+            roots = pulse.roots
+            now = time.perf_counter_ns()
+            if not roots.begins(id(module), now, pulse.started_ns, pulse.slow.median_s):
+                return False
+            from tpudiag.collectors import step_points
+
+            step_points.end_without_optimizer()
+            roots.began(id(module))
+            if pulse.ended:
+                pulse.ended = False
+                if self._plan is not None:
+                    self._boundary()
+                elif self._chunk_due():
+                    self._rotate()
+            return pulse.started_ns is None
+        except Exception as err:
+            internal_errors.current().record("trace", "root step", err)
+            return False
 
     def _chunk_due(self) -> bool:
         return (

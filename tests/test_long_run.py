@@ -301,3 +301,44 @@ def test_compare_times_every_step_through_the_pulse(tmp_path: Path, db: Path) ->
     assert out.returncode == 0, out.stderr
     steady = json.loads(out.stdout)["steps"]["steady"]
     assert steady["n_a"] >= 50 and steady["n_b"] >= 50, steady
+
+
+SERVING = REPO / "tests" / "long_scripts" / "serving_loop.py"
+
+
+@pytest.mark.slow
+def test_a_serving_loop_without_an_optimizer_keeps_a_pulse_and_windows(tmp_path: Path, db: Path) -> None:
+    """A generation loop (a prompt encoder once per request, a decoder once per token, no optimizer anywhere) under
+    the default capture: every decoder call is a step of the pulse, the first window closes after its steps, the
+    schedule and a planted run of slow calls open windows of their own, memory stays flat, and the tokens are the
+    plain run's.  (Before collectors/root_steps.py: no pulse, and the first window ran for the whole job.)"""
+    plain = subprocess.run(
+        [sys.executable, str(SERVING), "2", "--prompt-encoder"], capture_output=True, text=True, timeout=120
+    )
+    assert plain.returncode == 0, plain.stderr
+    proc = run_tpudiag(
+        "capture", "--db", str(db), "--wait", "--trace-schedule", "every=5s,active=3",
+        str(SERVING), "24", "--slow-at", "14", "--prompt-encoder",
+        cwd=tmp_path, env=ENV, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    script = _script_result(proc.stdout)
+    assert script["requests"] >= 20 and script["digest"] == _script_result(plain.stdout)["digest"]
+    data = _report(tmp_path, db)
+    pulse, windows = data["pulse"], data["windows"]
+
+    assert pulse["steps"] == script["calls"]  # one step per decoder call (the encoder's call falls inside one)
+    assert windows[0]["reason"] == "first_steps" and (windows[0]["first_step"], windows[0]["last_step"]) == (0, 19)
+    assert _by_reason(windows, "schedule"), [w["reason"] for w in windows]
+    slow_from = script["slow_from"]
+    planted = [w for w in _by_reason(windows, "slow_step") if slow_from < w["first_step"] < slow_from + 30]
+    assert planted, (slow_from, [(w["reason"], w["first_step"]) for w in windows])
+    assert planted[0]["top_ops"][0]["name"] == "aten::sort", planted[0]["top_ops"]
+    # Windows hold a few steps each: the trace is a small part of what a whole-run trace would be.
+    in_windows = sum(w["last_step"] - w["first_step"] + 1 for w in windows)
+    assert in_windows < 200 < pulse["steps"] // 10, (in_windows, pulse["steps"])
+
+    samples = script["rss_samples"]
+    middle = [kb for t, kb in samples if 8 <= t < 16]
+    last = [kb for t, kb in samples if t >= 16]
+    assert (statistics.median(last) - statistics.median(middle)) / 1024 < 50, [(t, kb >> 10) for t, kb in samples]

@@ -210,14 +210,15 @@ class CompileEvent:
 # -- until collectors declare their own tables (the capture-session work); nothing else in this file depends on them.
 @dataclass(frozen=True)
 class PulseStep:
-    """One training step of the always-on pulse (every step of the run, whatever else is pruned)."""
+    """One step of the always-on pulse (every step of the run, whatever else is pruned): a training step, or in a
+    job without an optimizer step (serving, generation, evaluation) a root module call (collectors/root_steps.py)."""
 
     TABLE: ClassVar[str] = "pulse"
 
     run_id: str
-    step: int  # 0-based, counted at optimizer steps
+    step: int  # 0-based, counted at optimizer steps (else at root calls: collectors/root_steps.py)
     start_ns: int  # epoch nanoseconds: the step's first root-module forward (else the previous step's end)
-    dur_ns: int  # start to the end of the optimizer step
+    dur_ns: int  # start to the end of the optimizer step (else to the root call that began the next step)
     gap_ns: int | None = None  # previous step's end to this step's start (data wait, logging, evaluation...)
     own_ns: int = 0  # tpudiag's own time inside this step's hooks
     rank: int = 0

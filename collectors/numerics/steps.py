@@ -335,8 +335,12 @@ class ModuleBoundaries:
 
     @property
     def roots_only(self) -> bool:
-        """Root calls are enough (the input probe) unless ``_on_module`` watches module boundaries."""
-        return not self._collector._module_hook_on
+        """Root calls are enough (the input probe; a script without an optimizer's step boundaries, at its root
+        module's calls) unless a watched step's budget may detach at module boundaries.  (While a step is watched the
+        collector's own tracker takes every call anyway; ``module_calls`` reads this when a listener comes or goes,
+        and the tracker leaves after the mode has.)"""
+        c = self._collector
+        return not (c._module_hook_on and c._entered)
 
     def enter(self, module: Any, args: Any, kwargs: Any) -> Any:
         c = self._collector
