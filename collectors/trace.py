@@ -118,6 +118,7 @@ class TraceCollector(LongRunMixin):
         self._start_long_run(ctx)
         record_function = torch.autograd.profiler.record_function
         root_inputs = self._root_inputs
+        get_ident, main_ident = threading.get_ident, self._main_ident
 
         def on_enter(path: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_root: bool) -> Any:
             if is_root:
@@ -127,6 +128,8 @@ class TraceCollector(LongRunMixin):
                         self._step_ended = False
                         if self._chunk_due():
                             self._rotate()
+                elif get_ident() != main_ident:
+                    pass  # steps are the main thread's (its optimizer steps, its root calls): no boundary here
                 elif pulse.started_ns is None:  # a step's first root forward
                     if pulse.ended:  # ... after a step's end: the step boundary
                         pulse.ended = False
@@ -241,8 +244,6 @@ class TraceCollector(LongRunMixin):
         script without an optimizer step, or an evaluation between training steps), the step in progress ends
         here, as at an optimizer step, and the boundary is made."""
         try:
-            if threading.get_ident() != self._main_ident:
-                return False
             roots = pulse.roots
             now = time.perf_counter_ns()
             if not roots.begins(id(module), now, pulse.started_ns, pulse.slow.median_s):

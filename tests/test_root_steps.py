@@ -203,3 +203,27 @@ def test_windows_at_a_compiled_decoders_calls_change_no_graph_and_no_token(tmp_p
     assert steps == (40,)
     assert windows[0] == ("first_steps", 0, 19)
     assert [w for w in windows if w[0] == "manual"] == [("manual", 30, 31)], windows  # asked before call 30
+
+
+def test_a_model_called_on_another_thread_between_steps_begins_no_step(tmp_path: Path) -> None:
+    """Steps are the main thread's: a worker thread's root call after a step's end neither begins the next step (its
+    shapes would be the step's) nor makes its boundary."""
+    import threading
+
+    db = tmp_path / "run.duckdb"
+    model, other = _model(), torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 16)
+    with tpudiag.capture(db=db, name="threads", collect="trace"):
+        for _ in range(40):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            worker = threading.Thread(target=lambda: other(torch.ones(5, 3)))
+            worker.start()
+            worker.join()
+    con = duckdb.connect(str(db), read_only=True)
+    shapes = con.execute("SELECT step, shapes FROM pulse ORDER BY step").fetchall()
+    con.close()
+    assert [s for s, _ in shapes] == list(range(40))
+    assert all(v is not None and json.loads(v) == [[8, 16]] for _, v in shapes), shapes
