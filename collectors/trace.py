@@ -82,6 +82,7 @@ class TraceCollector(LongRunMixin):
         self._main_thread = threading.main_thread()
         self._main_ident = self._main_thread.ident
         self._pulse: Any = None  # collectors/pulse.py PulseRecorder
+        self._end_by_root: Any = None  # step_points.end_without_optimizer, once started
         self._plan: Any = None  # collectors/windows.py WindowPlan (None: --trace all)
         self._poller: Any = None
         self._worker: Any = None
@@ -166,6 +167,7 @@ class TraceCollector(LongRunMixin):
             self._tracker.install()
             from tpudiag.collectors import step_points
 
+            self._end_by_root = step_points.end_without_optimizer
             on_step_end = self._pulse.step_end if self._pulse is not None else self._after_optimizer_step
             self._hooks.append(step_points.add(on_step_end, step_points.PULSE, "trace", by_root=True))
             self._patch_user_sessions()
@@ -245,12 +247,9 @@ class TraceCollector(LongRunMixin):
         here, as at an optimizer step, and the boundary is made."""
         try:
             roots = pulse.roots
-            now = time.perf_counter_ns()
-            if not roots.begins(id(module), now, pulse.started_ns, pulse.slow.median_s):
+            if not roots.begins(id(module), time.perf_counter_ns(), pulse.started_ns, pulse.slow.median_s):
                 return False
-            from tpudiag.collectors import step_points
-
-            step_points.end_without_optimizer()
+            self._end_by_root()  # ``step_points.end_without_optimizer`` (bound at start: no import here)
             roots.began(id(module))
             if pulse.ended:
                 pulse.ended = False
