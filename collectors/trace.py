@@ -146,7 +146,8 @@ class TraceCollector(LongRunMixin):
                                 self._boundary()
                         elif self._chunk_due():
                             self._rotate()
-                    pulse.roots.began(id(module))
+                    roots = pulse.roots  # ``roots.began(id(module))``, without its frame (every step)
+                    roots.step_root = roots.last_root = id(module)
                     pulse.step_begin(args, kwargs)
                 elif self._root_step(pulse, module):  # another root call in the step: a step of its own?
                     pulse.step_begin(args, kwargs)
@@ -253,8 +254,10 @@ class TraceCollector(LongRunMixin):
             roots.began(id(module))
             if pulse.ended:
                 pulse.ended = False
-                if self._plan is not None:
-                    self._boundary()
+                plan = self._plan
+                if plan is not None:
+                    if plan.close_next or plan.next is not None or plan.open is not None or pulse.window_id is not None:
+                        self._boundary()  # (as at a training step's first root call: only with a window to handle)
                 elif self._chunk_due():
                     self._rotate()
             return pulse.started_ns is None
