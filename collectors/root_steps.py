@@ -10,7 +10,10 @@ So the trace collector also ends steps at root module calls (outermost ``nn.Modu
 - **No optimizer step yet** (``by_root``): a root call of the module that began the step in progress, or a second
   root call in a row of another module, ends that step and begins the next.  A ``generate`` loop's steps are its
   decoding steps; a diffusion pipeline's are its denoiser calls (the text encoder and the decoder fall in a
-  neighbouring step); a module called once before the loop does not hold the loop's steps.
+  neighbouring step); a module called once before the loop does not hold the loop's steps.  The first
+  ``FIRST_CALLS`` such calls stay in the first step: a training script's warm-up forwards before its first optimizer
+  step (lazy initialisation, a compile warm-up, a shape probe) do not shift its steps' numbers, which the pulse,
+  the memory readings and the numerics collector share.
 - **Once an optimizer has stepped**, only optimizer steps end steps (a step's several forwards, for gradient
   accumulation or a second input, stay one step), until a step outlasts ``max(LONG_STEP_S, LONG_STEP_MEDIANS x its
   rolling median)`` while its root module is called again: an evaluation phase between training steps.  Its root
@@ -19,13 +22,14 @@ So the trace collector also ends steps at root module calls (outermost ``nn.Modu
 
 The step that ends at a root call ends when that call begins (its duration holds the time until the next call; its
 gap is nil).  Only the main thread's root calls count, as only its optimizer steps do.  A script whose first
-optimizer step follows several forwards (gradient accumulation) counts those forwards as steps of their own once.
+optimizer step follows more than ``FIRST_CALLS`` forwards counts the later ones as steps of their own, once.
 """
 
 from __future__ import annotations
 
 LONG_STEP_S = 60.0
 LONG_STEP_MEDIANS = 4.0
+FIRST_CALLS = 8  # without an optimizer step, the first step holds this many calls of its root (warm-up forwards)
 
 
 class RootSteps:
@@ -35,6 +39,7 @@ class RootSteps:
         self.by_root = True  # root calls end steps: no optimizer step yet, or one outlasted (``begins``)
         self.step_root = 0  # id() of the module whose call began the step in progress
         self.last_root = 0  # id() of the module of the last root call
+        self.waiting = FIRST_CALLS - 1  # calls that would begin a step, still held in the first one
 
     def began(self, key: int) -> None:
         """A step began with a root call of the module ``key`` (its id)."""
@@ -45,13 +50,19 @@ class RootSteps:
         (``by_root`` then stays on until the next optimizer step)."""
         last, self.last_root = self.last_root, key
         if self.by_root:
-            return key == self.step_root or key == last
+            if key != self.step_root and key != last:
+                return False
+            if self.waiting:
+                self.waiting -= 1
+                return False
+            return True
         if key != self.step_root:
             return False
         limit = max(LONG_STEP_S, LONG_STEP_MEDIANS * median_s) if median_s else LONG_STEP_S
         if (now_ns - started_ns) * 1e-9 < limit:
             return False
         self.by_root = True
+        self.waiting = 0  # (a training job's evaluation: every call from here on)
         return True
 
     def optimizer_stepped(self) -> None:

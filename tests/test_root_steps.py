@@ -14,17 +14,32 @@ import torch
 import tpudiag
 from tpudiag import internal_errors
 from tpudiag.collectors import root_steps, step_points
-from tpudiag.collectors.root_steps import LONG_STEP_MEDIANS, LONG_STEP_S, RootSteps
+from tpudiag.collectors.root_steps import FIRST_CALLS, LONG_STEP_MEDIANS, LONG_STEP_S, RootSteps
 
 S = 1_000_000_000  # ns
 
 
+def _past_first_calls(roots: RootSteps, key: int) -> None:
+    """The first step's calls (warm-up forwards before a training script's first optimizer step)."""
+    roots.began(key)
+    assert not any(roots.begins(key, 0, 0, None) for _ in range(FIRST_CALLS - 1))
+
+
 def test_without_an_optimizer_each_call_of_the_step_root_begins_the_next_step() -> None:
     roots = RootSteps()
-    roots.began(1)
+    _past_first_calls(roots, 1)
     assert roots.begins(1, 10, 0, None)
     roots.began(1)
     assert roots.begins(1, 20, 10, None)
+
+
+def test_warm_up_forwards_before_the_first_optimizer_step_stay_in_the_first_step() -> None:
+    roots = RootSteps()
+    roots.began(1)
+    assert not any(roots.begins(1, 0, 0, None) for _ in range(FIRST_CALLS - 1))
+    roots.optimizer_stepped()
+    roots.began(1)
+    assert not roots.begins(1, 1, 0, None)
 
 
 def test_a_module_called_once_before_the_loop_does_not_hold_the_loops_steps() -> None:
@@ -32,7 +47,7 @@ def test_a_module_called_once_before_the_loop_does_not_hold_the_loops_steps() ->
     (from its second call in a row), and the encoder's next call falls inside a decoder step."""
     roots = RootSteps()
     encoder, decoder = 1, 2
-    roots.began(encoder)
+    _past_first_calls(roots, encoder)
     assert not roots.begins(decoder, 1, 0, None)  # one call of another module: still the encoder's step
     assert roots.begins(decoder, 2, 0, None)  # its second call in a row: a step
     roots.began(decoder)
@@ -158,7 +173,8 @@ def test_a_window_open_in_a_long_inference_loop_closes(tmp_path: Path) -> None:
     windows = con.execute("SELECT reason, first_step, last_step FROM trace_windows ORDER BY window_id").fetchall()
     figures = con.execute("SELECT count(*) FROM pulse WHERE window_id IS NOT NULL").fetchone()
     con.close()
-    assert steps == (300, 299)  # every call a step, the last ended by the capture's end
+    # Every call a step (the first holds FIRST_CALLS), the last ended by the capture's end.
+    assert steps == (300 - FIRST_CALLS + 1, 300 - FIRST_CALLS)
     assert windows[0] == ("first_steps", 0, 19), windows
     assert all(last is not None for _, _, last in windows), windows  # every window closed after its steps
     assert figures is not None and figures[0] < 100  # most steps ran outside windows (a jitter window may open)
@@ -200,9 +216,10 @@ def test_windows_at_a_compiled_decoders_calls_change_no_graph_and_no_token(tmp_p
     windows = con.execute("SELECT reason, first_step, last_step FROM trace_windows ORDER BY window_id").fetchall()
     steps = con.execute("SELECT count(*) FROM pulse").fetchone()
     con.close()
-    assert steps == (40,)
+    assert steps == (40 - FIRST_CALLS + 1,)
     assert windows[0] == ("first_steps", 0, 19)
-    assert [w for w in windows if w[0] == "manual"] == [("manual", 30, 31)], windows  # asked before call 30
+    asked = 30 - FIRST_CALLS + 1  # asked before call 30, which begins this step
+    assert [w for w in windows if w[0] == "manual"] == [("manual", asked, asked + 1)], windows
 
 
 def test_a_model_called_on_another_thread_between_steps_begins_no_step(tmp_path: Path) -> None:
