@@ -14,8 +14,10 @@ hold to the issue's 1%.
 
     python -m bench.run step_hooks         # BENCH_HOOKS_ROUNDS captures of each kind (default 3)
 
-Two kinds of capture, alternated: the default collectors (every per-step hook), and ``--collect trace`` alone (the
-pulse, the window plan and the root-call tracker: the issue's "the pulse costs at most 1%").
+Three kinds of capture, alternated: the default collectors (every per-step hook), ``--collect trace`` alone (the
+pulse, the window plan and the root-call tracker: the issue's "the pulse costs at most 1%"), and the default
+collectors on the same model served (its forward under ``no_grad``, no optimizer: each root call is a step,
+``collectors/root_steps.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ WARM_STEPS = 2000  # past the first window's steps and the numerics warm-up
 TARGET_PCT = 1.0
 
 
-def _round(db: Path, collect: str | None = None) -> dict[str, float]:
+def _round(db: Path, collect: str | None = None, serving: bool = False) -> dict[str, float]:
     import torch
     from torch import nn
     from torch.optim import optimizer as optimizer_module
@@ -57,6 +59,13 @@ def _round(db: Path, collect: str | None = None) -> dict[str, float]:
         model(x).square().mean().backward()
         opt.step()
         static(ones)
+
+    def serve() -> None:  # a job without an optimizer step: each root call is a step (collectors/root_steps.py)
+        with torch.no_grad():
+            model(x)
+
+    if serving:
+        step = serve
 
     hooks = optimizer_module._global_optimizer_post_hooks
     pairs: list[tuple[float, float]] = []  # (on block, the off block after it), neither in a window
@@ -137,10 +146,12 @@ def main() -> dict[str, Any]:
     os.environ.setdefault("TPUDIAG_SLOW_FACTOR", "1000")  # the off blocks' gaps are no slow steps
     every: list[dict[str, float]] = []
     pulse: list[dict[str, float]] = []
+    serving: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for n in range(ROUNDS):  # the two kinds of capture alternate, so both see the same hour of the machine
+        for n in range(ROUNDS):  # the kinds of capture alternate, so all see the same hour of the machine
             every.append(_round(Path(tmp) / f"hooks{n}.duckdb"))
             pulse.append(_round(Path(tmp) / f"pulse{n}.duckdb", collect="trace"))
+            serving.append(_round(Path(tmp) / f"serving{n}.duckdb", serving=True))
     return {
         "steps_per_block": K,
         "blocks_per_round": BLOCKS,
@@ -148,6 +159,9 @@ def main() -> dict[str, Any]:
         # The trace collector alone: the pulse, the window plan and the root-call tracker (issue 21's "the pulse
         # costs at most 1%"); the default capture adds the numerics and memory collectors' step hooks.
         "pulse_only": _summary(pulse),
+        # The same model served: its forward alone under no_grad, no optimizer, so every root call is a step (the
+        # default capture; out: the module-call wrapper off, which makes these steps).
+        "serving": _summary(serving),
         "target_pct": TARGET_PCT,
         "note": "main-thread CPU time per step, hooks in vs out (out: no optimizer hooks and torch's own module "
         "__call__) in alternating blocks of one capture (no windows), the median of neighbouring on-off pairs; "
