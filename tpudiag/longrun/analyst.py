@@ -1,12 +1,13 @@
 """Each finished trace window analysed off the training process, at low priority, and the disk cap.
 
 The trace collector stops a window's profiler session at a step boundary, exports its Chrome trace to
-``trace/kineto-NNN.json`` and leaves a job file ``trace/jobs/window-NNN.json``.  A worker process of its own
-(``python -m tpudiag.longrun.analyst``, ``nice`` 10, started at the first job) analyses each job into spool parts
-named after the window (trace_events, steps, and the window's own row), then removes the job.  Parts named after
-the window make the work idempotent: whatever runs a job a second time (the capture's deferred ``finish`` after the
-worker died, or both at once) rewrites the same parts instead of adding copies.  The worker leaves when the job
-folder holds a ``STOP`` file and no job, or when the capture's process is gone.
+``trace/kineto-NNN.json`` and leaves a job file ``trace/jobs/window-NNN.json``. A worker process of its own
+(``python -m tpudiag.longrun.analyst``, in the idle scheduling class, else ``nice`` 10:
+``processes.lower_priority``; started at the first job) analyses each job into spool parts named after the window
+(trace_events, steps, and the window's own row), then removes the job. Parts named after the window make the work
+idempotent: whatever runs a job a second time (the capture's deferred ``finish`` after the worker died, or both at
+once) rewrites the same parts instead of adding copies. The worker leaves when the job folder holds a ``STOP`` file
+and no job, or when the capture's process is gone.
 
 Disk (``--max-disk``): the windows' trace files are counted as they are exported.  Over the cap, the oldest
 scheduled window's file is deleted (its analysed rows stay, marked ``pruned``); anomaly windows are kept; when
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tpudiag.atomic_file import atomic_file
-from tpudiag.processes import pid_alive
+from tpudiag.processes import lower_priority, pid_alive
 
 JOBS = "jobs"
 STOP = "STOP"
@@ -258,8 +259,7 @@ def main(argv: list[str]) -> int:
     """The worker: ``python -m tpudiag.longrun.analyst RUN_DIR RUN_ID TRACE_DIR PARENT_PID``."""
     from tpudiag.spool import Spool
 
-    with contextlib.suppress(OSError):
-        os.nice(NICE)
+    lower_priority(NICE)  # the idle class where there is one (tpudiag.processes)
     run_dir, run_id, trace_dir, parent = Path(argv[0]), argv[1], Path(argv[2]), int(argv[3])
     spool = Spool(run_dir / "spool")
     while True:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tpudiag.errors import TpudiagError
 from tpudiag.model import Run
-from tpudiag.processes import pid_alive
+from tpudiag.processes import lower_priority, pid_alive
 from tpudiag.store.database import Store
 
 RUN_FILE = "feeder.json"
@@ -101,8 +101,7 @@ def _load_once(store: Store, run: Run, spool_dir: Path, registered: bool) -> boo
 
 def main(argv: list[str]) -> int:
     db, run_dir, spool_dir, parent, interval = Path(argv[0]), Path(argv[1]), Path(argv[2]), int(argv[3]), float(argv[4])
-    with contextlib.suppress(OSError):
-        os.nice(NICE)
+    lower_priority(NICE)  # the idle class where there is one (tpudiag.processes)
     run = Run.from_record(json.loads((run_dir / RUN_FILE).read_text()))
     store = Store(db)
     registered = False
