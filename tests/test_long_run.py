@@ -319,7 +319,7 @@ def test_a_serving_loop_without_an_optimizer_keeps_a_pulse_and_windows(tmp_path:
     assert plain.returncode == 0, plain.stderr
     proc = run_tpudiag(
         "capture", "--db", str(db), "--wait", "--trace-schedule", "every=5s,active=3",
-        str(SERVING), "24", "--slow-at", "14", "--prompt-encoder",
+        str(SERVING), "24", "--slow-at", "6", "--prompt-encoder",
         cwd=tmp_path, env=ENV, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -332,7 +332,7 @@ def test_a_serving_loop_without_an_optimizer_keeps_a_pulse_and_windows(tmp_path:
     assert pulse["steps"] == script["calls"] - FIRST_CALLS + 1
     assert windows[0]["reason"] == "first_steps" and (windows[0]["first_step"], windows[0]["last_step"]) == (0, 19)
     assert _by_reason(windows, "schedule"), [w["reason"] for w in windows]
-    slow_from = script["slow_from"]
+    slow_from = script["slow_from"] - (FIRST_CALLS - 1)  # the script counts calls, the pulse steps
     planted = [w for w in _by_reason(windows, "slow_step") if slow_from < w["first_step"] < slow_from + 30]
     assert planted, (slow_from, [(w["reason"], w["first_step"]) for w in windows])
     assert planted[0]["top_ops"][0]["name"] == "aten::sort", planted[0]["top_ops"]
@@ -340,7 +340,9 @@ def test_a_serving_loop_without_an_optimizer_keeps_a_pulse_and_windows(tmp_path:
     in_windows = sum(w["last_step"] - w["first_step"] + 1 for w in windows)
     assert in_windows < 200 < pulse["steps"] // 10, (in_windows, pulse["steps"])
 
+    # Flat after the planted run's window (its every-op checks of 2M-element sorts leave the allocator a one-time
+    # step up, not a slope): the middle and the last third of the run, both after it.
     samples = script["rss_samples"]
-    middle = [kb for t, kb in samples if 8 <= t < 16]
-    last = [kb for t, kb in samples if t >= 16]
+    middle = [kb for t, kb in samples if 10 <= t < 17]
+    last = [kb for t, kb in samples if t >= 17]
     assert (statistics.median(last) - statistics.median(middle)) / 1024 < 50, [(t, kb >> 10) for t, kb in samples]
