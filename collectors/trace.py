@@ -131,7 +131,8 @@ class TraceCollector(LongRunMixin):
                             self._rotate()
                 elif get_ident() != main_ident:
                     pass  # steps are the main thread's (its optimizer steps, its root calls): no boundary here
-                elif pulse.started_ns is None:  # a step's first root forward
+                elif pulse.started_ns is None or self._root_step(pulse, module):
+                    # A step's first root forward (or a root call that ended the step in progress: root_steps.py)
                     if pulse.ended:  # ... after a step's end: the step boundary
                         pulse.ended = False
                         plan = self._plan
@@ -148,8 +149,6 @@ class TraceCollector(LongRunMixin):
                             self._rotate()
                     roots = pulse.roots  # ``roots.began(id(module))``, without its frame (every step)
                     roots.step_root = roots.last_root = id(module)
-                    pulse.step_begin(args, kwargs)
-                elif self._root_step(pulse, module):  # another root call in the step: a step of its own?
                     pulse.step_begin(args, kwargs)
                 if self._prof is not None:
                     root_inputs.append(input_shapes(args, kwargs))
@@ -243,23 +242,13 @@ class TraceCollector(LongRunMixin):
         self._step_ended = True
 
     def _root_step(self, pulse: Any, module: Any) -> bool:
-        """A root call while a step is in progress: when it begins a new step (``collectors/root_steps.py``: a
-        script without an optimizer step, or an evaluation between training steps), the step in progress ends
-        here, as at an optimizer step, and the boundary is made."""
+        """A root call while a step is in progress: whether it begins a new step (``collectors/root_steps.py``: a
+        script without an optimizer step, or an evaluation between training steps).  If so the step in progress
+        ends here, as at an optimizer step, and the caller makes the boundary as after one."""
         try:
-            roots = pulse.roots
-            if not roots.begins(id(module), time.perf_counter_ns(), pulse.started_ns, pulse.slow.median_s):
+            if not pulse.roots.begins(id(module), time.perf_counter_ns(), pulse.started_ns, pulse.slow.median_s):
                 return False
             self._end_by_root()  # ``step_points.end_without_optimizer`` (bound at start: no import here)
-            roots.began(id(module))
-            if pulse.ended:
-                pulse.ended = False
-                plan = self._plan
-                if plan is not None:
-                    if plan.close_next or plan.next is not None or plan.open is not None or pulse.window_id is not None:
-                        self._boundary()  # (as at a training step's first root call: only with a window to handle)
-                elif self._chunk_due():
-                    self._rotate()
             return pulse.started_ns is None
         except Exception as err:
             internal_errors.current().record("trace", "root step", err)
