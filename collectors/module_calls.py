@@ -217,6 +217,7 @@ def _exit_all(
 
 
 _torch_call: Callable[..., Any] = torch.nn.Module.__call__
+_current_autograd_node = torch._C._current_autograd_node  # not None inside a backward
 
 
 # -- installing -------------------------------------------------------------------------------------------------
@@ -283,7 +284,11 @@ def _torch_owned(cls: type[Any]) -> bool:
 
 
 def _note_root(cls: type[Any]) -> None:
-    """A root call of a class not seen as a root before (rare: once per class)."""
+    """A root call of a class not seen as a root before (rare: once per class).  Not one made inside a backward:
+    gradient checkpointing calls each checkpointed block again there, outside any module call; noted, every block
+    class would carry the wrapper in class mode, and each of its nested calls in the forward would pay its frame."""
+    if _current_autograd_node() is not None:
+        return
     try:
         with _lock:
             if cls not in _root_classes and len(_root_classes) <= MAX_ROOT_CLASSES:  # one past: no class mode

@@ -13,8 +13,10 @@ import torch
 
 import tpudiag
 from tpudiag import internal_errors
-from tpudiag.collectors import root_steps, step_points
+from tpudiag.collectors import module_calls, root_steps, step_points
 from tpudiag.collectors.root_steps import FIRST_CALLS, LONG_STEP_MEDIANS, LONG_STEP_S, RootSteps
+from tpudiag.longrun.analyst import EVENT_ID_STRIDE
+from tpudiag.store import Store
 
 S = 1_000_000_000  # ns
 
@@ -73,6 +75,26 @@ def test_after_an_optimizer_step_only_a_step_that_outlasts_its_limit_gives_its_r
     roots.optimizer_stepped()
     roots.began(1)
     assert not roots.begins(1, 5 * S, 0, 0.5)
+
+
+def test_a_root_call_inside_a_backward_is_not_seen() -> None:
+    """Gradient checkpointing calls a checkpointed module again inside the backward, outside any module call: neither
+    a step of a job without an optimizer nor an evaluation phase's, and it changes no state."""
+    inside = [False]
+    roots = RootSteps(in_backward=lambda: inside[0])
+    _past_first_calls(roots, 1)
+    inside[0] = True
+    assert not roots.begins(1, 10, 0, None)
+    assert (roots.by_root, roots.step_root, roots.last_root, roots.waiting) == (True, 1, 1, 0)
+    inside[0] = False
+    assert roots.begins(1, 10, 0, None)
+    roots.began(1)
+    roots.optimizer_stepped()
+    inside[0] = True
+    assert not roots.begins(1, int(LONG_STEP_S * S) * 2, 0, 0.5)  # an outlasted step's recomputed root
+    assert not roots.by_root
+    inside[0] = False
+    assert roots.begins(1, int(LONG_STEP_S * S) * 2, 0, 0.5)
 
 
 def test_the_long_step_limit_grows_with_the_median_step() -> None:
@@ -244,3 +266,79 @@ def test_a_model_called_on_another_thread_between_steps_begins_no_step(tmp_path:
     con.close()
     assert [s for s, _ in shapes] == list(range(40))
     assert all(v is not None and json.loads(v) == [[8, 16]] for _, v in shapes), shapes
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+class _Checkpointed(torch.nn.Module):
+    """One block applied ``depth`` times under gradient checkpointing (shared weights: each recomputation in the
+    backward is a root call of the same module, twice in a row and more)."""
+
+    def __init__(self, depth: int, reentrant: bool) -> None:
+        super().__init__()
+        self.block, self.depth, self.reentrant = _Block(), depth, reentrant
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for _ in range(self.depth):
+            x = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_recomputations_begin_no_step(tmp_path: Path, reentrant: bool) -> None:
+    """A checkpointed block's recomputations in the backward are root calls; before the first optimizer step they
+    made steps (the first training step became 25: the first window closed inside its backward, and every later
+    step's number was off by 24).  Each optimizer step is one step, and the first window holds 20 of them."""
+    torch.manual_seed(0)
+    model = _Checkpointed(depth=32, reentrant=reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 16, requires_grad=reentrant), torch.randn(4, 1)
+    db = tmp_path / "run.duckdb"
+    with tpudiag.capture(db=db, name="checkpointed", collect="trace"):
+        for _ in range(30):
+            opt.zero_grad()
+            (model(x) - y).square().mean().backward()
+            opt.step()
+        root_classes = set(module_calls._root_classes)
+    # Nor is the block a root class (in class mode each of its calls in the forward would pay the wrapper's frame).
+    assert root_classes == {_Checkpointed}
+    con = duckdb.connect(str(db), read_only=True)
+    steps = [r[0] for r in con.execute("SELECT step FROM pulse ORDER BY step").fetchall()]
+    windows = con.execute("SELECT reason, first_step, last_step FROM trace_windows ORDER BY window_id").fetchall()
+    optimizer_steps = con.execute(
+        "SELECT count(*) FROM trace_events WHERE name LIKE 'Optimizer.step#%' AND event_id < ?", [EVENT_ID_STRIDE]
+    ).fetchone()
+    con.close()
+    assert steps == list(range(30))
+    assert windows[0] == ("first_steps", 0, 19), windows
+    assert optimizer_steps == (20,)
+
+
+def test_a_checkpointed_root_model_ends_one_numerics_step_per_iteration(tmp_path: Path) -> None:
+    """No optimizer (the update by hand), the whole model checkpointed: its recomputation in the backward is a root
+    call of the numerics collector's step root, and must not end a step (before: two steps per iteration)."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _model()
+    x = torch.randn(8, 16)
+    db = tmp_path / "run.duckdb"
+    with tpudiag.capture(db=db, name="by-hand", collect="numerics"):
+        for _ in range(12):
+            checkpoint(model, x, use_reentrant=False).square().mean().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+    settings = json.loads(next(Store(db).runs_dir.rglob("numerics/settings.json")).read_text())
+    assert settings["steps"]["boundaries"] == "root_forward"
+    assert settings["steps"]["total"] == 11  # the step boundaries between 12 forwards

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 _is_compiling = torch.compiler.is_compiling
 _Tensor = torch.Tensor
+_current_autograd_node = torch._C._current_autograd_node  # not None inside a backward
 
 # The heap is trimmed after a checked stretch at most this often (a trim is ~50 us when nothing is free, a few ms
 # after a large stretch).
@@ -94,7 +95,8 @@ class StepBoundaries:
                 if self._entered and self._tracker.current() is None:
                     self._root = module
                     return
-            elif module is self._root:
+            elif module is self._root and _current_autograd_node() is None:
+                # (A root call inside a backward is a checkpointed module's forward, recomputed: no step's end.)
                 self._step_end()
                 return
         mode: Any = self._mode
