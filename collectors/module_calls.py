@@ -49,7 +49,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tpudiag import internal_errors
+from tpudiag import forks, internal_errors
 
 
 class _CompilingFlag:
@@ -90,6 +90,7 @@ MAX_ROOT_CLASSES = 64  # more distinct root classes than this: the wrapper stays
 _root_classes: dict[type[Any], bool] = {}  # classes seen as roots -> whether their ``__call__`` is torch's
 _patched: list[type[Any]] = []  # classes given the wrapper as their ``__call__`` (class mode)
 _class_mode = False  # nn.Module.__call__ is not the wrapper; the classes in ``_patched`` have it
+_forget_child: forks.ChildHook | None = None  # ``_let_go_in_child`` registered with ``tpudiag.forks``
 
 
 def add(listener: Listener) -> None:
@@ -222,7 +223,7 @@ _current_autograd_node = torch._C._current_autograd_node  # not None inside a ba
 
 # -- installing -------------------------------------------------------------------------------------------------
 def _install() -> None:
-    global _original
+    global _original, _forget_child
     # Dynamo keeps torch's own __call__ as "unpatched" when it is first imported: import it before patching.
     try:
         import torch._dynamo.utils
@@ -230,6 +231,7 @@ def _install() -> None:
         internal_errors.current().record("module hooks", "import torch._dynamo", err)
     _mark_for_dynamo()
     _original = torch.nn.Module.__call__
+    _forget_child = forks.on_child("module hooks", _let_go_in_child)
     _register_compile_callbacks()
     if not _compiling:
         torch.nn.Module.__call__ = _call  # type: ignore[method-assign]
@@ -245,6 +247,24 @@ def _uninstall() -> None:
         torch.nn.Module.__call__ = _original  # type: ignore[method-assign]
     _unregister_compile_callbacks()
     _original = None
+    if _forget_child is not None:
+        _forget_child.remove()
+
+
+def _let_go_in_child() -> None:
+    """In a child forked from the capture (``tpudiag.forks``): torch's own ``__call__`` back on nn.Module and the
+    classes, no listener; with ``_original`` None the compile callbacks leave ``__call__`` alone.  No lock taken:
+    another thread of the parent may have held it at the fork."""
+    global _lock, _listeners, _original, _roots_only, _known_roots, _class_mode
+    _lock = threading.Lock()
+    original, _original = _original, None
+    _listeners, _roots_only, _known_roots, _class_mode = (), False, False, False
+    while _patched:
+        cls = _patched.pop()
+        if cls.__dict__.get("__call__") is _call:
+            delattr(cls, "__call__")
+    if original is not None and _Module.__call__ is _call:
+        _Module.__call__ = original  # type: ignore[method-assign]
 
 
 def _on_compile_start(*_args: Any) -> None:

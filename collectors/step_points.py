@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tpudiag import internal_errors
+from tpudiag import forks, internal_errors
 from tpudiag.collectors import module_calls
 
 READ = 0
@@ -44,6 +44,7 @@ _by_root: tuple[tuple[Callback, str], ...] = ()  # the callbacks added with ``by
 _entries: list[tuple[int, int, Callback, bool, str, bool]] = []  # (order, serial, ..., by_root): their source
 _serial = 0
 _hook: Any = None  # torch's handle of the one registered hook
+_forget_child: forks.ChildHook | None = None  # ``_let_go_in_child`` registered with ``tpudiag.forks``
 _main_ident = threading.main_thread().ident
 
 
@@ -60,13 +61,16 @@ class StepEndHandle:
     serial: int
 
     def remove(self) -> None:
-        global _hook
+        global _hook, _forget_child
         with _lock:
             _entries[:] = [e for e in _entries if e[1] != self.serial]
             _reorder()
             if not _entries and _hook is not None:
                 hook, _hook = _hook, None
                 hook.remove()
+                if _forget_child is not None:
+                    _forget_child.remove()
+                    _forget_child = None
 
 
 def add(
@@ -75,12 +79,13 @@ def add(
     """Call ``callback(optimizer)`` at the end of every optimizer step, after the callbacks of lower ``order`` (and
     of the same order added before it); with ``by_root``, also ``callback(None)`` at every step end of a script
     without an optimizer step (``end_without_optimizer``)."""
-    global _hook, _serial
+    global _hook, _serial, _forget_child
     with _lock:
         if _hook is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             _hook = register_optimizer_step_post_hook(module_calls.skip_in_dynamo(_on_step_end))
+            _forget_child = forks.on_child("step hooks", _let_go_in_child)
         _serial += 1
         _entries.append((order, _serial, callback, main_thread_only, name, by_root))
         _reorder()
@@ -98,6 +103,17 @@ def _on_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
             callback(optimizer)
         except Exception as err:  # never into the user's optimizer step
             internal_errors.current().record("step hooks", name, err)
+
+
+def _let_go_in_child() -> None:
+    """In a child forked from the capture (``tpudiag.forks``): the hook off, no callback (no lock taken)."""
+    global _lock, _hook, _callbacks, _by_root
+    _lock = threading.Lock()
+    hook, _hook = _hook, None
+    _entries.clear()
+    _callbacks, _by_root = (), ()
+    if hook is not None:
+        hook.remove()
 
 
 def end_without_optimizer() -> None:

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tpudiag import runner
+from tpudiag import forks, runner
 from tpudiag.clock import Clock, SystemClock
 from tpudiag.model import Run
 from tpudiag.plugins import load_collectors
@@ -90,6 +90,8 @@ class BlockCapture:
     def stop(self, exc: BaseException | None) -> Run:
         """Stop collecting and store the run (idempotent); the stored record."""
         assert self.session is not None, "start() first"
+        if forks.in_child():  # a child forked inside the block, leaving it: nothing is stored from here
+            return self.session.run
         if self.delivered is None:
             if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 runner.tell_failure(exc)  # e.g. the memory collector reads an out-of-memory error

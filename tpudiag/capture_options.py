@@ -34,3 +34,4 @@ class CaptureResult:
     context: CaptureContext
     stored: bool  # False: a detached child is storing it (every reader waits for it)
     internal_errors: str | None = None  # the closing line about tpudiag's own failures, if there were any
+    forked_child: bool = False  # this is a child the script forked, which ran on to the script's end: no run

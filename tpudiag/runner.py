@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
+from typing import Any
 
+from tpudiag import forks
 from tpudiag.errors import UsageError
 
 
@@ -158,16 +160,25 @@ def sigterm_restored() -> Iterator[None]:
                 signal.signal(signal.SIGTERM, before)
 
 
+def _default_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run(target: Target) -> Outcome:
     """Run the target in this process and report how it ended."""
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     previous_term = signal.getsignal(signal.SIGTERM)
+    forget_child: forks.ChildHook | None = None
+    ours: Any = None  # the SIGTERM handler set here
     if previous_term in (signal.SIG_DFL, None):
 
         def on_term(signum: int, frame: FrameType | None) -> None:
             raise Terminated()
 
         signal.signal(signal.SIGTERM, on_term)
+        ours = on_term
+        # A child forked by the script (a DataLoader worker) dies of SIGTERM as it would without tpudiag.
+        forget_child = forks.on_child("sigterm", _default_sigterm)
     try:
         if target.kind == "script":
             script = os.path.abspath(target.name)
@@ -197,7 +208,12 @@ def run(target: Target) -> Outcome:
         summary = _print_exception(exc)
         return Outcome(1, "failed", summary)
     finally:
-        if signal.getsignal(signal.SIGTERM) is not previous_term and previous_term in (signal.SIG_DFL, None):
+        if forget_child is not None:
+            forget_child.remove()
+        if forks.in_child():  # a forked child that ran on to the script's end: exits as without tpudiag
+            if ours is not None and signal.getsignal(signal.SIGTERM) is ours:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        elif signal.getsignal(signal.SIGTERM) is not previous_term and previous_term in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a late SIGTERM must not cut the store write short
         sys.argv = saved_argv
         if saved_path0 is not None and sys.path:

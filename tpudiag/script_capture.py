@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tpudiag import runner
+from tpudiag import forks, runner
 from tpudiag.capture_options import CaptureOptions, CaptureResult
 from tpudiag.clock import Clock, SystemClock
 from tpudiag.errors import StoreError, UsageError
@@ -60,6 +60,8 @@ def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock 
     )
     with runner.sigterm_restored():  # the caller's SIGTERM handling once the run is stored
         outcome = runner.run(target)
+        if forks.in_child():  # a child the script forked ran on to its end: it exits as without tpudiag
+            return CaptureResult(run.id, outcome.exit_code, outcome.status, [], session.ctx, False, forked_child=True)
         if spawned is not None:
             spawned.remove()
             if spawned.used and isinstance(sink, StoreLater):
@@ -113,6 +115,8 @@ def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
         # The script may already have run; its data stays in the spool for the next command to recover.
         _warn(str(err))
         return err.exit_code
+    if result.forked_child:
+        return result.exit_code
     if result.internal_errors:
         _warn(result.internal_errors)
     for note in result.context.notes:

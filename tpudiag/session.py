@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from tpudiag import environment, internal_errors
+from tpudiag import environment, forks, internal_errors
 from tpudiag.clock import Clock, SystemClock
 from tpudiag.model import Run
 from tpudiag.plugins import CaptureContext, Collector, DeferredJob
@@ -145,6 +145,7 @@ class CaptureSession:
     def start(self, flusher: bool = True) -> None:
         """Errors file, collectors prepared and started (failures are notes), ``sink.begin``, the flusher."""
         self._errors = internal_errors.begin(self.run_dir)
+        forks.begin()
         self.active = start_collectors(self.collectors, self.ctx)
         self.sink.begin(self.run)
         if flusher:
@@ -166,6 +167,12 @@ class CaptureSession:
                 part.stop()
             except Exception as err:
                 self.ctx.note(f"collector {part.name} failed while stopping: {err}")
+        forked = forks.end()
+        if forked:
+            self.ctx.note(
+                f"{forked} child process(es) forked from the script (DataLoader workers, multiprocessing, os.fork) "
+                "ran without the capture: their work is not in this run"
+            )
         return Finished(self.final_record(outcome, duration), outcome, tuple(self.ctx.jobs), self.ctx)
 
     def deliver(self, finished: Finished) -> Delivered:

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tpudiag import forks
 from tpudiag.model import arrow_schema, bulk_tables, records_to_arrow
 
 if TYPE_CHECKING:  # Arrow loads on the first part written, not with the capture (~0.2 s before the script)
@@ -29,7 +30,10 @@ class Spool:
 
     def write_table(self, table: str, data: pa.Table, part: str | None = None) -> Path | None:
         """Spool ``data`` as one part of ``table``.  ``part`` names it (work that may run twice, e.g. a store write
-        retried after its process died, writes the same part again instead of a second copy)."""
+        retried after its process died, writes the same part again instead of a second copy).  Nothing in a child
+        forked from the capturing process (``tpudiag.forks``): its work is not the run's."""
+        if forks.in_child():
+            return None
         record = bulk_tables().get(table)
         if record is None:
             raise ValueError(f"unknown table {table!r} (a collector declares its own in Collector.tables)")

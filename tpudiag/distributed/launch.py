@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
-from tpudiag import runner
+from tpudiag import forks, runner
 from tpudiag.capture_options import CaptureOptions, CaptureResult
 from tpudiag.clock import Clock, SystemClock
 from tpudiag.distributed import merge, multinode
@@ -133,6 +133,8 @@ def capture_launcher(
     wrapper = write_wrapper(run_dir, os.environ.get("PYTHON_EXEC") or sys.executable, node.path.stem if node else "")
     with worker_environment(config, wrapper):
         outcome = runner.run(target)
+    if forks.in_child():  # a child the launcher's script forked, run on to its end: exits as without tpudiag
+        return CaptureResult(run.id, outcome.exit_code, outcome.status, [], session.ctx, False, forked_child=True)
     finished = session.stop(outcome)
     if upload is not None:  # the uploader sends the rest and the completion marker; nobody waits for it
         upload.end(run_dir, finished.run)

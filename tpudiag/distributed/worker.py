@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from tpudiag import runner
+from tpudiag import forks, runner
 from tpudiag.distributed.identity import RankIdentity
 from tpudiag.distributed.session import WorkerSession, take_config_from_env
 
@@ -39,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     session = WorkerSession(config, RankIdentity.from_env())
     session.start()
     outcome = runner.run(target)
-    session.finish(outcome.status, outcome.exit_code, outcome.error)
+    if not forks.in_child():  # (a child the script forked, run on to its end, exits as without tpudiag)
+        session.finish(outcome.status, outcome.exit_code, outcome.error)
     return outcome.exit_code
 
 

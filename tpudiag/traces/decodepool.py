@@ -18,6 +18,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tpudiag import forks
+
 
 class WorkerError(RuntimeError):
     """The worker failed (its exception, as text) or died; the caller falls back to decoding in-process."""
@@ -56,7 +58,8 @@ class DecodeWorker:
         ctx = multiprocessing.get_context("fork")
         self._conn, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(target=_serve, args=(fn, child, self._conn), name="tpudiag-decode", daemon=True)
-        self._proc.start()
+        with forks.own():
+            self._proc.start()
         child.close()
         self.busy = False
 
