@@ -13,7 +13,9 @@ calls the callbacks in a fixed order:
 - ``FOLLOW``: what acts on the plan's decision for the next step (the numerics collector watches a trigger window's
   first step).
 
-A callback gets the optimizer.  In a script without an optimizer step (serving, generation, evaluation) the trace
+Steps end at the steps of one optimizer (``_leads``): the first to step, until another steps twice without it in
+between.  The other optimizers' steps fall inside steps, and their hooks call nothing.  A callback gets the
+optimizer.  In a script without an optimizer step (serving, generation, evaluation) the trace
 collector ends steps at its root module's calls instead (``collectors/root_steps.py``): ``end_without_optimizer``
 calls the callbacks added with ``by_root`` (the memory reading and the pulse; the numerics collector makes its own
 root-forward steps) with None for the optimizer.  ``main_thread_only`` callbacks are skipped when a step ends on
@@ -46,6 +48,12 @@ _serial = 0
 _hook: Any = None  # torch's handle of the one registered hook
 _forget_child: forks.ChildHook | None = None  # ``_let_go_in_child`` registered with ``tpudiag.forks``
 _main_ident = threading.main_thread().ident
+# Steps end at the steps of one optimizer (``_leads``).  A script that steps several per iteration (Muon on the
+# matrices and AdamW on the rest, dense and sparse optimizers, a GAN's two) or wraps one optimizer in another (ZeRO,
+# Lookahead: the inner step's hook fires, then the outer's) had a step per optimizer step: the iteration's number
+# doubled, and a step that holds nothing but another optimizer's update sat between every two real ones.
+_leader = 0  # id() of the optimizer whose steps end steps
+_inside: set[int] = set()  # ids of the other optimizers that stepped since the last step end
 
 
 def _reorder() -> None:
@@ -61,13 +69,15 @@ class StepEndHandle:
     serial: int
 
     def remove(self) -> None:
-        global _hook, _forget_child
+        global _hook, _forget_child, _leader
         with _lock:
             _entries[:] = [e for e in _entries if e[1] != self.serial]
             _reorder()
             if not _entries and _hook is not None:
                 hook, _hook = _hook, None
                 hook.remove()
+                _leader = 0  # (the next capture in this process learns its own)
+                _inside.clear()
                 if _forget_child is not None:
                     _forget_child.remove()
                     _forget_child = None
@@ -95,6 +105,11 @@ def add(
 def _on_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
     if module_calls.compiling._is_compiling_flag:  # ``torch.compiler.is_compiling()``, without its frames
         return
+    if id(optimizer) == _leader:
+        if _inside:
+            _inside.clear()
+    elif not _leads(id(optimizer)):
+        return  # another optimizer's step, inside the step
     main = threading.get_ident() == _main_ident
     for callback, main_only, name in _callbacks:
         if main_only and not main:
@@ -114,6 +129,19 @@ def _let_go_in_child() -> None:
     _callbacks, _by_root = (), ()
     if hook is not None:
         hook.remove()
+
+
+def _leads(key: int) -> bool:
+    """A step of an optimizer other than the leading one: whether it ends the step, and leads from now on.  It does
+    when it is the run's first optimizer step, or when this optimizer has already stepped since the last step end
+    (the leading one no longer steps: a phase with another optimizer, an optimizer made anew)."""
+    global _leader
+    if not _leader or key in _inside:
+        _leader = key
+        _inside.clear()
+        return True
+    _inside.add(key)
+    return False
 
 
 def end_without_optimizer() -> None:

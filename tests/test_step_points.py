@@ -91,3 +91,80 @@ def test_a_capture_registers_one_hook_and_each_steps_memory_reading_is_in_its_ow
     assert len(read) >= 20  # the first window's steps are all read
     assert read == {s: memory[s] for s in read}
     assert len(set(read.values())) == len(read)  # (so a reading recorded a step late could not match)
+
+
+class _Wrapping(torch.optim.Optimizer):
+    """An optimizer that steps an inner one (ZeRO, Lookahead): the inner step's hook fires, then its own."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        super().__init__(inner.param_groups, {})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.inner.step()
+
+
+def test_steps_end_at_one_optimizers_steps_until_another_steps_twice_without_it() -> None:
+    """Several optimizers stepped each iteration (Muon and AdamW, a wrapper and its inner one): one step per
+    iteration.  A new optimizer that replaces the leading one leads from its second step."""
+    model = torch.nn.Linear(4, 2)
+    a = torch.optim.SGD([model.weight], lr=0.1)
+    b = torch.optim.SGD([model.bias], lr=0.1)
+    ends: list[int] = []
+    handle = step_points.add(lambda o: ends.append(id(o)), step_points.PULSE, "pulse")
+    try:
+        for _ in range(3):
+            model(torch.ones(3, 4)).sum().backward()
+            a.step()
+            b.step()
+        assert ends == [id(a)] * 3
+        wrapped = _Wrapping(torch.optim.SGD(model.parameters(), lr=0.1))
+        ends.clear()
+        for _ in range(3):
+            model(torch.ones(3, 4)).sum().backward()
+            wrapped.step()  # the inner optimizer's step, then the wrapper's: a and b no longer step
+        assert ends == [id(wrapped.inner)] * 2  # its first step fell inside a's step; from its second it leads
+    finally:
+        handle.remove()
+    # The next capture in the process learns its own leading optimizer.
+    ends.clear()
+    handle = step_points.add(lambda o: ends.append(id(o)), step_points.PULSE, "pulse")
+    try:
+        b.step()
+        a.step()
+        assert ends == [id(b)]
+    finally:
+        handle.remove()
+
+
+def test_a_capture_of_two_optimizers_a_step_has_one_step_per_iteration(tmp_path: Path) -> None:
+    """Muon on the matrices and AdamW on the rest, stepped one after the other: the pulse has one step per
+    iteration (it had two: the second held nothing but the other optimizer's update), and the first window holds
+    20 iterations."""
+    import duckdb
+
+    import tpudiag
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    a, b = torch.optim.SGD(matrices, lr=0.01, momentum=0.9), torch.optim.AdamW(rest, lr=0.01)
+    db = tmp_path / "run.duckdb"
+    with tpudiag.capture(db=db, name="two-optimizers", collect="trace"):
+        for _ in range(30):
+            a.zero_grad()
+            b.zero_grad()
+            model(torch.randn(4, 8)).square().mean().backward()
+            a.step()
+            b.step()
+    con = duckdb.connect(str(db), read_only=True)
+    steps = [r[0] for r in con.execute("SELECT step FROM pulse ORDER BY step").fetchall()]
+    windows = con.execute("SELECT reason, first_step, last_step FROM trace_windows ORDER BY window_id").fetchall()
+    in_first = con.execute(
+        "SELECT count(*) FROM trace_events WHERE name LIKE 'Optimizer.step#%' AND event_id < 100000000"
+    ).fetchone()
+    con.close()
+    assert steps == list(range(30))
+    assert windows[0] == ("first_steps", 0, 19), windows
+    assert in_first == (40,)
