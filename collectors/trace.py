@@ -68,6 +68,7 @@ class TraceCollector(LongRunMixin):
         self._starting = False
         self._paused_for_user = False
         self._user_sessions = 0
+        self._other_threads: dict[str, int] = {}  # thread name -> its root module calls (not the main thread's)
         self._chunks: list[Path] = []
         self._tracker: Any = None
         self._root_inputs: list[str | None] = []
@@ -130,7 +131,8 @@ class TraceCollector(LongRunMixin):
                         if self._chunk_due():
                             self._rotate()
                 elif get_ident() != main_ident:
-                    pass  # steps are the main thread's (its optimizer steps, its root calls): no boundary here
+                    # Steps are the main thread's (its optimizer steps, its root calls): no boundary here.
+                    self._other_thread_call()
                 elif pulse.started_ns is None or self._root_step(pulse, module):
                     # A step's first root forward (or a root call that ended the step in progress: root_steps.py)
                     if pulse.ended:  # ... after a step's end: the step boundary
@@ -205,6 +207,15 @@ class TraceCollector(LongRunMixin):
                 f"the script ran its own torch.profiler session {self._user_sessions} time(s); tpudiag's trace "
                 "paused during it (its events are in the script's own trace)"
             )
+        if self._other_threads:
+            calls = sum(self._other_threads.values())
+            names = ", ".join(sorted(self._other_threads)[:3]) + (", ..." if len(self._other_threads) > 3 else "")
+            self._ctx.note(
+                f"{calls:,} root module call(s) ran on other threads than the main one ({names}): torch's profiler "
+                "and tpudiag's numerics checker see the thread that runs the script (and the threads torch starts "
+                "for it), so their ops are not in the trace or the numerics, and the pulse's steps are the main "
+                "thread's"
+            )
         if self._events_done == 0 and not deferred and self._plan is None:
             self._ctx.note(NO_EVENTS)
         self._ctx.metadata["trace_files"] = [str(p) for p in self._chunks]
@@ -241,6 +252,14 @@ class TraceCollector(LongRunMixin):
         sessions corrupts Kineto's heap (seen on torch 2.13).
         """
         self._step_ended = True
+
+    def _other_thread_call(self) -> None:
+        """A root module call on a thread other than the main one: counted for the run's note (a server's thread
+        pool, a training function run in a thread).  Bounded: 64 thread names at most."""
+        name = threading.current_thread().name
+        calls = self._other_threads
+        if name in calls or len(calls) < 64:
+            calls[name] = calls.get(name, 0) + 1
 
     def _root_step(self, pulse: Any, module: Any) -> bool:
         """A root call while a step is in progress: whether it begins a new step (``collectors/root_steps.py``: a

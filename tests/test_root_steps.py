@@ -246,14 +246,14 @@ def test_windows_at_a_compiled_decoders_calls_change_no_graph_and_no_token(tmp_p
 
 def test_a_model_called_on_another_thread_between_steps_begins_no_step(tmp_path: Path) -> None:
     """Steps are the main thread's: a worker thread's root call after a step's end neither begins the next step (its
-    shapes would be the step's) nor makes its boundary."""
+    shapes would be the step's) nor makes its boundary; the run's notes count such calls."""
     import threading
 
     db = tmp_path / "run.duckdb"
     model, other = _model(), torch.nn.Linear(3, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(8, 16)
-    with tpudiag.capture(db=db, name="threads", collect="trace"):
+    with tpudiag.capture(db=db, name="threads", collect="trace") as run:
         for _ in range(40):
             opt.zero_grad()
             model(x).square().mean().backward()
@@ -266,6 +266,10 @@ def test_a_model_called_on_another_thread_between_steps_begins_no_step(tmp_path:
     con.close()
     assert [s for s, _ in shapes] == list(range(40))
     assert all(v is not None and json.loads(v) == [[8, 16]] for _, v in shapes), shapes
+    # The run says that those calls' ops are in neither the trace nor the numerics (torch's profiler records the
+    # thread that started it).
+    assert run.record is not None
+    assert any(n.startswith("40 root module call(s) ran on other threads") for n in run.record.notes), run.record.notes
 
 
 class _Block(torch.nn.Module):
