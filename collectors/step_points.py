@@ -105,12 +105,14 @@ def add(
 def _on_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
     if module_calls.compiling._is_compiling_flag:  # ``torch.compiler.is_compiling()``, without its frames
         return
-    if id(optimizer) == _leader:
+    main = threading.get_ident() == _main_ident
+    if not main:
+        pass  # (another thread's optimizer never leads: the main thread's steps would end nowhere)
+    elif id(optimizer) == _leader:
         if _inside:
             _inside.clear()
     elif not _leads(id(optimizer)):
         return  # another optimizer's step, inside the step
-    main = threading.get_ident() == _main_ident
     for callback, main_only, name in _callbacks:
         if main_only and not main:
             continue

@@ -1,12 +1,14 @@
-"""The paths Hugging Face users take, captured with the numerics collector (issue 19): no false originator, ops
-really checked, behaviour identical to plain Python; and every divergent op's repro verdict equals the in-run one.
+"""The paths Hugging Face users take, captured with the numerics collector (issue 19): no false originator, ops really
+checked, behaviour identical to plain Python; and every divergent op's repro verdict equals the in-run one.
 
 The scripts in ``hf_matrix/`` build tiny models in code (no downloads): the ``Trainer`` with its defaults (fused
-AdamW over two groups, clipping, lr schedule, gradient accumulation), an ``accelerate.Accelerator`` loop (gradient
-accumulation, bf16 autocast on the CPU), a PEFT LoRA fine-tune, a diffusers noise-prediction step, an
-Inductor-compiled SDPA decoder forward and backward, and compiled ``generate()`` with a static cache.  Each runs
-under ``python`` and under ``tpudiag capture`` in fresh processes: exit status, stdout (exact values, a bitwise
-digest of the results, Dynamo's counters) and stderr without tpudiag's lines must be equal.
+AdamW over two groups, clipping, lr schedule, gradient accumulation), the ``Trainer`` with DataLoader workers and
+gradient checkpointing for more steps than the first trace window (one pulse step per optimizer step), an
+``accelerate.Accelerator`` loop (gradient accumulation, bf16 autocast on the CPU), a PEFT LoRA fine-tune, a
+diffusers noise-prediction step, an Inductor-compiled SDPA decoder forward and backward, and compiled ``generate()``
+with a static cache. Each runs under ``python`` and under ``tpudiag capture`` in fresh processes: exit status,
+stdout (exact values, a bitwise digest of the results, Dynamo's counters) and stderr without tpudiag's lines must be
+equal.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ CASES = [
     "diffusers_step",
     "compiled_decoder",
     "compiled_generate",
+    "trainer_long",
 ]
 # The ops each case must have checked against the oracle (the paths the case exists for).
 MUST_CHECK = {
@@ -39,7 +42,10 @@ MUST_CHECK = {
     "diffusers_step": "aten::convolution",
     "compiled_decoder": "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
     "compiled_generate": "aten::mm",
+    "trainer_long": "aten::_fused_adamw_",
 }
+# Cases whose steps are checked too: (optimizer steps, the first trace window's last step).
+STEPS = {"trainer_long": (24, 19)}
 
 
 def _capture(tmp: Path, case: str, **env: str) -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -123,6 +129,12 @@ def test_hf_path_is_clean_checked_and_unchanged(case: str, tmp_path: Path) -> No
     assert not numerics.get("first_divergence"), numerics.get("first_divergence")
     assert not [e for e in numerics["divergent_ops"] if e["role"] == "originator"]
     assert _checked_ops(db).get(MUST_CHECK[case], 0) > 0, sorted(_checked_ops(db))
+    if case in STEPS:  # one pulse step per optimizer step, whatever the workers and the recomputations did
+        steps, last = STEPS[case]
+        assert report["pulse"]["steps"] == steps, report["pulse"]
+        first = report["windows"][0]
+        assert (first["reason"], first["first_step"], first["last_step"]) == ("first_steps", 0, last)
+        assert all(w["last_step"] is None or w["last_step"] < steps for w in report["windows"]), report["windows"]
     # No divergence, so nothing to replay; the replay check itself is proved on the faulty run below.
     assert replay_divergent(db, tmp_path) == []
 

@@ -118,6 +118,13 @@ def test_steps_end_at_one_optimizers_steps_until_another_steps_twice_without_it(
             a.step()
             b.step()
         assert ends == [id(a)] * 3
+        # Another thread's optimizer, stepping again and again, never takes the lead from the main thread's.
+        other = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        worker = threading.Thread(target=lambda: [other.step() for _ in range(3)])
+        worker.start()
+        worker.join()
+        a.step()
+        assert ends == [id(a)] * 4
         wrapped = _Wrapping(torch.optim.SGD(model.parameters(), lr=0.1))
         ends.clear()
         for _ in range(3):
