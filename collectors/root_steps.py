@@ -26,8 +26,8 @@ the autograd engine's backward: gradient checkpointing (``torch.utils.checkpoint
 ``gradient_checkpointing_enable()``) calls each checkpointed module again during the backward, outside any module
 call, so those calls are root calls too.  Counted, a model whose checkpointed block is one module (shared weights)
 made 24 steps of its first training step's backward, the first window closed inside it, and every later step's
-number was off by 24.  A script whose first
-optimizer step follows more than ``FIRST_CALLS`` forwards counts the later ones as steps of their own, once.
+number was off by 24.  A script whose first optimizer step follows more than ``FIRST_CALLS`` forwards counts the
+later ones as steps of their own, once.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
+from tpudiag import internal_errors
+
 _owner: int | None = None  # the capturing process
 _forks = 0  # children forked by it since ``begin``
 _registered = False
@@ -115,8 +117,6 @@ def _after_in_child() -> None:
         return
     try:
         _lock = threading.Lock()  # another thread of the parent may have held it at the fork
-        from tpudiag import internal_errors
-
         internal_errors.begin(None)  # counted in memory, never written to the parent's run folder
         callbacks = [callback for _name, callback in _children.values()]
     except Exception:
