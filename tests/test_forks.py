@@ -184,3 +184,42 @@ def test_a_forked_child_that_runs_on_to_the_scripts_end_exits_as_plain_and_store
     con.close()
     assert runs == [("ok", 0)]
     assert steps == (30,)  # the parent's steps only
+
+
+def test_a_child_forked_inside_a_python_api_block_leaves_it_without_storing(tmp_path: Path) -> None:
+    """``tpudiag.capture()`` in a notebook or a script: a child forked inside the block that leaves the block stores
+    nothing (its exit is the block's end there); the parent's run is stored once, with the parent's steps."""
+    import os
+
+    import torch
+
+    import tpudiag
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    db = tmp_path / "run.duckdb"
+    read, write = os.pipe()
+    with tpudiag.capture(db=db, name="api-fork", collect="trace") as run:
+        for step in range(25):
+            opt.zero_grad()
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+            if step == 5:
+                pid = os.fork()
+                if pid == 0:  # the child: on with the block's work, then out of the block
+                    os.close(read)
+                    break
+    if pid == 0:
+        os.write(write, f"{run.status} {run.record is not None and run.record.status}".encode())
+        os._exit(0)
+    os.close(write)
+    child_saw = os.read(read, 4096).decode()
+    os.waitpid(pid, 0)
+    assert child_saw == "running running"  # the record as it began: nothing stored from the child
+    assert run.record is not None and run.record.status == "ok"
+    con = duckdb.connect(str(db), read_only=True)
+    runs = con.execute("SELECT name, status FROM runs").fetchall()
+    steps = con.execute("SELECT count(*) FROM pulse").fetchone()
+    con.close()
+    assert runs == [("api-fork", "ok")]
+    assert steps == (25,)
