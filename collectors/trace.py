@@ -119,6 +119,7 @@ class TraceCollector(LongRunMixin):
         self._chunk_s = float(ctx.options.get("trace_chunk_s") or os.environ.get("TPUDIAG_TRACE_CHUNK_S") or 30.0)
         self._start_long_run(ctx)
         record_function = torch.autograd.profiler.record_function
+        profiling_here = torch._C._autograd._profiler_enabled  # this thread's profiler state (thread-local)
         root_inputs = self._root_inputs
         get_ident, main_ident = threading.get_ident, self._main_ident
 
@@ -131,8 +132,11 @@ class TraceCollector(LongRunMixin):
                         if self._chunk_due():
                             self._rotate()
                 elif get_ident() != main_ident:
-                    # Steps are the main thread's (its optimizer steps, its root calls): no boundary here.
+                    # Steps are the main thread's (its optimizer steps, its root calls): no boundary here, and no
+                    # root inputs kept (a server's thread pool, in a first window that no step closes, grew the
+                    # list by a row per request for the whole job).
                     self._other_thread_call()
+                    is_root = False
                 elif pulse.started_ns is None or self._root_step(pulse, module):
                     # A step's first root forward (or a root call that ended the step in progress: root_steps.py)
                     if pulse.ended:  # ... after a step's end: the step boundary
@@ -152,9 +156,11 @@ class TraceCollector(LongRunMixin):
                     roots = pulse.roots  # ``roots.began(id(module))``, without its frame (every step)
                     roots.step_root = roots.last_root = id(module)
                     pulse.step_begin(args, kwargs)
-                if self._prof is not None:
+                if is_root and self._prof is not None:
                     root_inputs.append(input_shapes(args, kwargs))
-            if self._prof is None:
+            if self._prof is None or not profiling_here():
+                # (``profiling_here``: the profiler records the thread that started it and the threads torch starts
+                # for it; another thread's range would be an op call for nothing, at every module call.)
                 return None
             rf = record_function("module::" + path)
             rf.__enter__()

@@ -8,6 +8,7 @@ schedule's state (``StepState``)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 _is_compiling = torch.compiler.is_compiling
 _Tensor = torch.Tensor
 _current_autograd_node = torch._C._current_autograd_node  # not None inside a backward
+_main_ident = threading.main_thread().ident
 
 # The heap is trimmed after a checked stretch at most this often (a trim is ~50 us when nothing is free, a few ms
 # after a large stretch).
@@ -90,7 +92,9 @@ class StepBoundaries:
         tracker = self._tracker
         if self._entered and tracker is not None and id(module) not in self._probes and tracker.current() is None:
             self._add_probe(module)
-        if self._opt_steps == 0 and self._tracker is not None:
+        if self._opt_steps == 0 and self._tracker is not None and threading.get_ident() == _main_ident:
+            # (Steps are the main thread's, as the trace collector's are: a server's thread pool made a step
+            # boundary at every request, each from its own thread, and the run's memory grew by ~5 MB a second.)
             if self._root is None:
                 if self._entered and self._tracker.current() is None:
                     self._root = module
