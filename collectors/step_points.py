@@ -54,6 +54,9 @@ _main_ident = threading.main_thread().ident
 # doubled, and a step that holds nothing but another optimizer's update sat between every two real ones.
 _leader = 0  # id() of the optimizer whose steps end steps
 _inside: set[int] = set()  # ids of the other optimizers that stepped since the last step end
+# A bound on them: a script that makes a new optimizer every step and keeps the old ones alive (ids never repeat)
+# would otherwise never end a step (and never close a trace window); it gets a step per MAX_INSIDE + 1 of its steps.
+MAX_INSIDE = 16
 
 
 def _reorder() -> None:
@@ -136,9 +139,10 @@ def _let_go_in_child() -> None:
 def _leads(key: int) -> bool:
     """A step of an optimizer other than the leading one: whether it ends the step, and leads from now on.  It does
     when it is the run's first optimizer step, or when this optimizer has already stepped since the last step end
-    (the leading one no longer steps: a phase with another optimizer, an optimizer made anew)."""
+    (the leading one no longer steps: a phase with another optimizer, an optimizer made anew), or after
+    ``MAX_INSIDE`` other optimizers' steps."""
     global _leader
-    if not _leader or key in _inside:
+    if not _leader or key in _inside or len(_inside) >= MAX_INSIDE:
         _leader = key
         _inside.clear()
         return True

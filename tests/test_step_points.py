@@ -133,6 +133,16 @@ def test_steps_end_at_one_optimizers_steps_until_another_steps_twice_without_it(
         assert ends == [id(wrapped.inner)] * 2  # its first step fell inside a's step; from its second it leads
     finally:
         handle.remove()
+    # A new optimizer every step, the old ones kept (ids never repeat): a step end at least every MAX_INSIDE + 1.
+    handle = step_points.add(lambda o: ends.append(id(o)), step_points.PULSE, "pulse")
+    try:
+        ends.clear()
+        kept = [torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1) for _ in range(3 * 17)]
+        for opt in kept:
+            opt.step()
+        assert ends == [id(kept[0]), id(kept[17]), id(kept[34])]
+    finally:
+        handle.remove()
     # The next capture in the process learns its own leading optimizer.
     ends.clear()
     handle = step_points.add(lambda o: ends.append(id(o)), step_points.PULSE, "pulse")
