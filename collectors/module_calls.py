@@ -259,10 +259,7 @@ def _let_go_in_child() -> None:
     _lock = threading.Lock()
     original, _original = _original, None
     _listeners, _roots_only, _known_roots, _class_mode = (), False, False, False
-    while _patched:
-        cls = _patched.pop()
-        if cls.__dict__.get("__call__") is _call:
-            delattr(cls, "__call__")
+    _unpatch_classes()
     if original is not None and _Module.__call__ is _call:
         _Module.__call__ = original  # type: ignore[method-assign]
 

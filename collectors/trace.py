@@ -406,9 +406,7 @@ class TraceCollector(LongRunMixin):
         session of the child's own neither pauses nor resumes tpudiag's: torch's methods are put back."""
         self._pulse = None
         self._paused_for_user = False
-        for owner, attr, original in self._patches:
-            setattr(owner, attr, original)
-        self._patches.clear()
+        self._restore_patches()
         if self._prof is not None:
             import torch
 
@@ -416,10 +414,13 @@ class TraceCollector(LongRunMixin):
             torch.autograd.profiler._is_profiler_enabled = False
         self._prof = None
 
-    def _uninstall(self) -> None:
+    def _restore_patches(self) -> None:
         for owner, attr, original in self._patches:
             setattr(owner, attr, original)
         self._patches.clear()
+
+    def _uninstall(self) -> None:
+        self._restore_patches()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

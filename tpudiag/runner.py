@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
 
 from tpudiag import forks
 from tpudiag.errors import UsageError
@@ -169,15 +168,14 @@ def run(target: Target) -> Outcome:
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     previous_term = signal.getsignal(signal.SIGTERM)
     forget_child: forks.ChildHook | None = None
-    ours: Any = None  # the SIGTERM handler set here
     if previous_term in (signal.SIG_DFL, None):
 
         def on_term(signum: int, frame: FrameType | None) -> None:
             raise Terminated()
 
         signal.signal(signal.SIGTERM, on_term)
-        ours = on_term
-        # A child forked by the script (a DataLoader worker) dies of SIGTERM as it would without tpudiag.
+        # A child forked by the script (a DataLoader worker) dies of SIGTERM as it would without tpudiag: the
+        # default handler is back in it right after the fork.
         forget_child = forks.on_child("sigterm", _default_sigterm)
     try:
         if target.kind == "script":
@@ -210,10 +208,12 @@ def run(target: Target) -> Outcome:
     finally:
         if forget_child is not None:
             forget_child.remove()
-        if forks.in_child():  # a forked child that ran on to the script's end: exits as without tpudiag
-            if ours is not None and signal.getsignal(signal.SIGTERM) is ours:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        elif signal.getsignal(signal.SIGTERM) is not previous_term and previous_term in (signal.SIG_DFL, None):
+        # (Not in a forked child that ran on to the script's end: it stores nothing, and exits as without tpudiag.)
+        if (
+            not forks.in_child()
+            and signal.getsignal(signal.SIGTERM) is not previous_term
+            and previous_term in (signal.SIG_DFL, None)
+        ):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a late SIGTERM must not cut the store write short
         sys.argv = saved_argv
         if saved_path0 is not None and sys.path:
