@@ -120,6 +120,25 @@ def script_env(tmp: Path, name: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def steps_and_windows(db: Path) -> tuple[list[int], list[tuple[str, int, int | None]], int]:
+    """A captured run's pulse steps, its trace windows as (reason, first step, last step), and the optimizer steps
+    its first window traced (``Optimizer.step`` events)."""
+    import duckdb
+
+    from tpudiag.longrun.analyst import EVENT_ID_STRIDE
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        steps = [r[0] for r in con.execute("SELECT step FROM pulse ORDER BY step").fetchall()]
+        windows = con.execute("SELECT reason, first_step, last_step FROM trace_windows ORDER BY window_id").fetchall()
+        first = con.execute(
+            "SELECT count(*) FROM trace_events WHERE name LIKE 'Optimizer.step#%' AND event_id < ?", [EVENT_ID_STRIDE]
+        ).fetchone()
+    finally:
+        con.close()
+    return steps, windows, first[0] if first else 0
+
+
 def without_tpudiag_lines(text: str) -> list[str]:
     """A script's stderr without tpudiag's own lines: what must equal plain Python's."""
     return [line for line in text.splitlines() if not line.startswith(("tpudiag:", "tpudiag numerics:"))]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import duckdb
 
-from tests.conftest import run_tpudiag, script_env, without_tpudiag_lines
+from tests.conftest import run_tpudiag, script_env, steps_and_windows, without_tpudiag_lines
 
 # A DataLoader whose dataset calls a module (torchvision's v2 transforms are modules), two forked workers, a fresh
 # pair every epoch.
@@ -67,17 +67,11 @@ def test_dataloader_workers_calling_modules_make_no_steps_and_no_windows(tmp_pat
     assert captured.returncode == plain.returncode == 0, captured.stderr
     assert captured.stdout == plain.stdout
     assert without_tpudiag_lines(captured.stderr) == without_tpudiag_lines(plain.stderr)
-    con = duckdb.connect(str(db), read_only=True)
-    steps = [r[0] for r in con.execute("SELECT step FROM pulse ORDER BY step").fetchall()]
-    windows = con.execute("SELECT reason, first_step, last_step FROM trace_windows ORDER BY window_id").fetchall()
-    first_window_steps = con.execute(
-        "SELECT count(*) FROM trace_events WHERE name LIKE 'Optimizer.step#%' AND event_id < 100000000"
-    ).fetchone()
-    con.close()
+    steps, windows, first_window_steps = steps_and_windows(db)
     assert steps == list(range(3 * 32))  # one per optimizer step, the workers' none
     assert windows[0] == ("first_steps", 0, 19), windows
     assert all(last is None or last < len(steps) for _, _, last in windows), windows
-    assert first_window_steps == (20,)
+    assert first_window_steps == 20
     assert "6 child process(es) forked from the script" in captured.stderr  # the run's note
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import tpudiag
+from tests.conftest import steps_and_windows
 from tpudiag import internal_errors
 from tpudiag.collectors import module_calls, root_steps, step_points
 from tpudiag.collectors.root_steps import FIRST_CALLS, LONG_STEP_MEDIANS, LONG_STEP_S, RootSteps
-from tpudiag.longrun.analyst import EVENT_ID_STRIDE
 from tpudiag.store import Store
 
 S = 1_000_000_000  # ns
@@ -316,16 +316,10 @@ def test_gradient_checkpointing_recomputations_begin_no_step(tmp_path: Path, ree
         root_classes = set(module_calls._root_classes)
     # Nor is the block a root class (in class mode each of its calls in the forward would pay the wrapper's frame).
     assert root_classes == {_Checkpointed}
-    con = duckdb.connect(str(db), read_only=True)
-    steps = [r[0] for r in con.execute("SELECT step FROM pulse ORDER BY step").fetchall()]
-    windows = con.execute("SELECT reason, first_step, last_step FROM trace_windows ORDER BY window_id").fetchall()
-    optimizer_steps = con.execute(
-        "SELECT count(*) FROM trace_events WHERE name LIKE 'Optimizer.step#%' AND event_id < ?", [EVENT_ID_STRIDE]
-    ).fetchone()
-    con.close()
+    steps, windows, optimizer_steps = steps_and_windows(db)
     assert steps == list(range(30))
     assert windows[0] == ("first_steps", 0, 19), windows
-    assert optimizer_steps == (20,)
+    assert optimizer_steps == 20
 
 
 def test_a_checkpointed_root_model_ends_one_numerics_step_per_iteration(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.optim import optimizer as optimizer_module
 
+from tests.conftest import steps_and_windows
 from tpudiag import internal_errors
 from tpudiag.collectors import step_points
 
@@ -158,8 +159,6 @@ def test_a_capture_of_two_optimizers_a_step_has_one_step_per_iteration(tmp_path:
     """Muon on the matrices and AdamW on the rest, stepped one after the other: the pulse has one step per
     iteration (it had two: the second held nothing but the other optimizer's update), and the first window holds
     20 iterations."""
-    import duckdb
-
     import tpudiag
 
     torch.manual_seed(0)
@@ -175,13 +174,7 @@ def test_a_capture_of_two_optimizers_a_step_has_one_step_per_iteration(tmp_path:
             model(torch.randn(4, 8)).square().mean().backward()
             a.step()
             b.step()
-    con = duckdb.connect(str(db), read_only=True)
-    steps = [r[0] for r in con.execute("SELECT step FROM pulse ORDER BY step").fetchall()]
-    windows = con.execute("SELECT reason, first_step, last_step FROM trace_windows ORDER BY window_id").fetchall()
-    in_first = con.execute(
-        "SELECT count(*) FROM trace_events WHERE name LIKE 'Optimizer.step#%' AND event_id < 100000000"
-    ).fetchone()
-    con.close()
+    steps, windows, in_first = steps_and_windows(db)
     assert steps == list(range(30))
     assert windows[0] == ("first_steps", 0, 19), windows
-    assert in_first == (40,)
+    assert in_first == 40

@@ -53,6 +53,38 @@ def _exact_fused_adamw(
         v.copy_(v64)
 
 
+def tiny_gpt2(n_layer=2):
+    """A small GPT-2 built in code (no download), without dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=n_layer,
+            n_head=2,
+            n_embd=32,
+            vocab_size=100,
+            n_positions=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
+
+
+class TokenData(torch.utils.data.Dataset):
+    """``n`` sequences of 16 tokens, each from its own seed, as a causal LM's inputs and labels."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
 def plant(name):
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():

@@ -4,15 +4,10 @@ import _common
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model
-from transformers import GPT2Config, GPT2LMHeadModel
 
 transformers.logging.set_verbosity_error()
 torch.manual_seed(0)
-base = GPT2LMHeadModel(
-    GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    )
-)
+base = _common.tiny_gpt2()
 model = get_peft_model(
     base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], lora_dropout=0.0, fan_in_fan_out=True)
 )

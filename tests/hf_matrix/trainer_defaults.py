@@ -4,25 +4,11 @@ linear lr schedule, gradient accumulation."""
 import _common
 import torch
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 transformers.logging.set_verbosity_error()
 torch.manual_seed(0)
-model = GPT2LMHeadModel(
-    GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    )
-)
-
-
-class Data(torch.utils.data.Dataset):
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        ids = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
-
+model = _common.tiny_gpt2()
 
 args = TrainingArguments(
     output_dir="out",
@@ -38,7 +24,7 @@ args = TrainingArguments(
     data_seed=0,
 )
 assert str(args.optim.value) == "adamw_torch_fused", args.optim
-trainer = Trainer(model=model, args=args, train_dataset=Data())
+trainer = Trainer(model=model, args=args, train_dataset=_common.TokenData(16))
 trainer.remove_callback(transformers.PrinterCallback)  # it prints timings, which differ run to run
 result = trainer.train()
 groups = trainer.optimizer.param_groups

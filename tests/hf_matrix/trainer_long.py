@@ -5,25 +5,11 @@ steps than the first trace window holds."""
 import _common
 import torch
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 transformers.logging.set_verbosity_error()
 torch.manual_seed(0)
-model = GPT2LMHeadModel(
-    GPT2Config(
-        n_layer=3, n_head=2, n_embd=32, vocab_size=100, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    )
-)
-
-
-class Data(torch.utils.data.Dataset):
-    def __len__(self):
-        return 64
-
-    def __getitem__(self, i):
-        ids = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
-
+model = _common.tiny_gpt2(n_layer=3)
 
 args = TrainingArguments(
     output_dir="out",
@@ -39,7 +25,7 @@ args = TrainingArguments(
     seed=0,
     data_seed=0,
 )
-trainer = Trainer(model=model, args=args, train_dataset=Data())
+trainer = Trainer(model=model, args=args, train_dataset=_common.TokenData(64))
 trainer.remove_callback(transformers.PrinterCallback)
 result = trainer.train()
 print("steps", result.global_step, "loss", repr(result.training_loss))
