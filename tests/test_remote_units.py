@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -166,6 +168,46 @@ def test_gather_and_remote_report_read_only_listed_objects(tmp_path: Path) -> No
     run = queries.resolve_run(store, "job2")
     assert build_section(store, run) == dist  # gathered and read in place: the same section
     assert run["status"] == "interrupted" and any("same-2" in n for n in run["notes"])
+
+
+def test_remote_report_reads_under_a_memory_limit_and_retries_past_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bucket's rows live in a database capped at ``reader.MEMORY_LIMITS[0]`` that spills to a temporary
+    folder; a read that cannot fit (DuckDB's out-of-memory error) is read again under the next limit."""
+    import duckdb
+
+    from tpudiag.remote import reader
+
+    bucket = tmp_path / "bucket"
+    url = f"file://{bucket}"
+    a = tmp_path / "a" / "run"
+    _node_run(a, "job3", [0, 1], host="h")
+    _upload(a, url, "job3", "h-1")
+    remote = location.parse(url)
+    unlimited = remote_report(remote, "job3")
+    tried: list[tuple[str | None, str]] = []
+    section = reader._section
+
+    def spy(*args: Any) -> Any:
+        limit, spill = args[4], args[5]
+        try:
+            result = section(*args)
+        except duckdb.OutOfMemoryException:
+            tried.append((limit, "out of memory"))
+            raise
+        tried.append((limit, "read"))
+        assert Path(spill).is_dir() and Path(spill).parent == spills
+        return result
+
+    monkeypatch.setattr(reader, "_section", spy)
+    monkeypatch.setattr(reader, "MEMORY_LIMITS", ("256KB", "64MB", None))
+    spills = tmp_path / "tmp"
+    spills.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spills))
+    assert remote_report(remote, "job3") == unlimited
+    assert tried == [("256KB", "out of memory"), ("64MB", "read")]  # the limit holds, the next one reads
+    assert not any(spills.iterdir())  # the spill folder is gone
 
 
 @pytest.mark.timeout(180)

@@ -177,21 +177,31 @@ def load_declared_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str
 SizeKey = tuple[str | None, str | None]
 
 
+# Ranks numbered per window query: the window holds one batch's rows, not the job's, so its memory does not grow
+# with the number of ranks (the bucket reader runs under a memory limit, ``tpudiag.remote.reader``).
+RANK_BATCH = 64
+COLLECTIVE_ROWS = "category = 'user_annotation' AND (starts_with(name, 'gloo:') OR starts_with(name, 'nccl:'))"
+
+
 def load_collectives(con: duckdb.DuckDBPyConnection, root: Root, run_id: str) -> list[SizeKey]:
     """Every rank's communication ranges (gloo/NCCL annotations) into ``dist_collectives``, numbered per rank in
     the order it entered them; returns the distinct (shapes, dtypes) pairs, whose byte counts ``set_bytes`` adds."""
     if not shard_files(root, "trace_events"):
         return []
-    con.execute(
-        f"""
-        INSERT INTO dist_collectives BY NAME
-        SELECT ? AS run_id, rank, restart, split_part(name, ':', 2) AS op, shapes, dtypes, start_ns, dur_ns,
-               row_number() OVER (PARTITION BY rank, restart ORDER BY start_ns, event_id) - 1 AS seq
-        FROM {_source(root, "trace_events")}
-        WHERE category = 'user_annotation' AND (starts_with(name, 'gloo:') OR starts_with(name, 'nccl:'))
-        """,
-        [run_id],
-    )
+    source = _source(root, "trace_events")
+    bounds = con.execute(f"SELECT min(rank), max(rank) FROM {source} WHERE {COLLECTIVE_ROWS}").fetchone()
+    low, high = bounds if bounds and bounds[0] is not None else (0, -1)  # (0, -1): no collective at all
+    for start in range(int(low), int(high) + 1, RANK_BATCH):
+        con.execute(
+            f"""
+            INSERT INTO dist_collectives BY NAME
+            SELECT ? AS run_id, rank, restart, split_part(name, ':', 2) AS op, shapes, dtypes, start_ns, dur_ns,
+                   row_number() OVER (PARTITION BY rank, restart ORDER BY start_ns, event_id) - 1 AS seq
+            FROM {source}
+            WHERE {COLLECTIVE_ROWS} AND rank >= ? AND rank < ?
+            """,
+            [run_id, start, start + RANK_BATCH],
+        )
     rows = con.execute("SELECT DISTINCT shapes, dtypes FROM dist_collectives WHERE run_id = ?", [run_id]).fetchall()
     return [(a, b) for a, b in rows]
 
