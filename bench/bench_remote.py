@@ -9,7 +9,8 @@ loopback through s3fs.  Then, each as a command in a subprocess that reports its
 - ``tpudiag gather s3://... --run RUN`` then ``tpudiag report RUN --json`` on the gathered local run (baseline);
 - ``report --remote`` on a one-rank run in the same bucket (memory baseline: what does not grow with ranks).
 
-Both must give the same distributed section and name the straggler.  Emulated bucket on loopback: the times say
+Both must give the same distributed section and name the straggler.  Then ``report --remote`` from a ``file://``
+bucket on jobs of 64, 256 and 1,024 ranks: how its peak grows with the number of ranks.  Emulated bucket on loopback: the times say
 nothing about a real bucket's latency, only how the two ways compare on this machine.
 
     python -m bench.run remote        # TPUDIAG_BENCH_RANKS=64 TPUDIAG_BENCH_RANK_EVENTS=1000 for a quick look
@@ -40,6 +41,25 @@ def _cmd(args: list[str], env: dict[str, str]) -> tuple[float, float, str]:
     )
     took = time.perf_counter() - t0
     return took, int(out.stderr.strip().splitlines()[-1]) / 1024, out.stdout
+
+
+GROWTH_RANKS = tuple(int(r) for r in os.environ.get("TPUDIAG_BENCH_GROWTH_RANKS", "64,256,1024").split(",") if r)
+GROWTH_EVENTS = 1000
+
+
+def _growth_with_ranks(folder: Path, env: dict[str, str]) -> dict[str, float]:
+    """``report --remote file://...`` peak RSS (MB) for jobs of GROWTH_RANKS ranks in one bucket."""
+    bucket = f"file://{folder / 'bucket'}"
+    peaks: dict[str, float] = {}
+    for ranks in GROWTH_RANKS:
+        run_dir, run_id = folder / f"job{ranks}", f"grow{ranks}"
+        write_job(run_dir, run_id, ranks, GROWTH_EVENTS)
+        config = UploadConfig(bucket, run_id, "host0-1", "host0", os.getpid())
+        config.save(run_dir)
+        assert Uploader(run_dir, config, give_up_s=60).finish({"status": "ok", "exit_code": 0})
+        shutil.rmtree(run_dir)
+        peaks[str(ranks)] = round(_cmd(["report", "--remote", bucket, run_id, "--json"], env)[1], 1)
+    return peaks
 
 
 def main() -> dict[str, Any]:
@@ -89,6 +109,7 @@ def main() -> dict[str, Any]:
             [sys.executable, "-c", imports, "--version"], capture_output=True, text=True, env=env, check=False
         )
         client_mb = int(out.stderr.strip().splitlines()[-1]) / 1024
+        growth = _growth_with_ranks(folder / "growth", env)
     remote = json.loads(remote_out)["distributed"]
     local = json.loads(local_out)["distributed"]
     return {
@@ -115,5 +136,8 @@ def main() -> dict[str, Any]:
             "report_remote_vs_gathered_report_peak_mb": round(remote_mb / local_mb, 2),
             "report_remote_peak_mb_256_vs_1_rank": round(remote_mb / one_mb, 2),
         },
+        # The same command from a file:// bucket (no client), one node, GROWTH_EVENTS events a rank: how its peak
+        # grows with the number of ranks, past the 256 of the S3 bucket.
+        "file_bucket_peak_mb_by_ranks": growth,
         "note": "emulated bucket (moto S3 on loopback): no network latency; compare the two ways, not absolutes",
     }
