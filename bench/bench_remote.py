@@ -10,8 +10,8 @@ loopback through s3fs.  Then, each as a command in a subprocess that reports its
 - ``report --remote`` on a one-rank run in the same bucket (memory baseline: what does not grow with ranks).
 
 Both must give the same distributed section and name the straggler.  Then ``report --remote`` from a ``file://``
-bucket on jobs of 64, 256 and 1,024 ranks: how its peak grows with the number of ranks.  Emulated bucket on loopback: the times say
-nothing about a real bucket's latency, only how the two ways compare on this machine.
+bucket on jobs of 64, 256 and 1,024 ranks: how its peak grows with the number of ranks.  Emulated bucket on
+loopback: the times say nothing about a real bucket's latency, only how the two ways compare on this machine.
 
     python -m bench.run remote        # TPUDIAG_BENCH_RANKS=64 TPUDIAG_BENCH_RANK_EVENTS=1000 for a quick look
 """
@@ -47,10 +47,10 @@ GROWTH_RANKS = tuple(int(r) for r in os.environ.get("TPUDIAG_BENCH_GROWTH_RANKS"
 GROWTH_EVENTS = 1000
 
 
-def _growth_with_ranks(folder: Path, env: dict[str, str]) -> dict[str, float]:
+def _growth_with_ranks(folder: Path, env: dict[str, str]) -> list[dict[str, float]]:
     """``report --remote file://...`` peak RSS (MB) for jobs of GROWTH_RANKS ranks in one bucket."""
     bucket = f"file://{folder / 'bucket'}"
-    peaks: dict[str, float] = {}
+    peaks: list[dict[str, float]] = []
     for ranks in GROWTH_RANKS:
         run_dir, run_id = folder / f"job{ranks}", f"grow{ranks}"
         write_job(run_dir, run_id, ranks, GROWTH_EVENTS)
@@ -58,7 +58,9 @@ def _growth_with_ranks(folder: Path, env: dict[str, str]) -> dict[str, float]:
         config.save(run_dir)
         assert Uploader(run_dir, config, give_up_s=60).finish({"status": "ok", "exit_code": 0})
         shutil.rmtree(run_dir)
-        peaks[str(ranks)] = round(_cmd(["report", "--remote", bucket, run_id, "--json"], env)[1], 1)
+        peaks.append(
+            {"ranks": ranks, "peak_mb": round(_cmd(["report", "--remote", bucket, run_id, "--json"], env)[1], 1)}
+        )
     return peaks
 
 
