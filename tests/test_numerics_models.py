@@ -80,6 +80,7 @@ def _capture(tmp_path: Path, script: Path, *options: str) -> dict[str, Any]:
     assert rep.returncode == 0, rep.stderr
     data: dict[str, Any] = json.loads(rep.stdout)
     data["_stderr"] = proc.stderr
+    data["_stdout"] = proc.stdout
     data["_db"] = str(db)
     return data
 
@@ -218,6 +219,52 @@ def test_fp16_overflow_is_its_own_verdict_at_the_overflowing_op(tmp_path: Path) 
     assert first["metrics"]["inf_device"] > 0 and first["metrics"]["inf_oracle"] == 0
     originators = [e for e in data["numerics"]["divergent_ops"] if e["role"] == "originator"]
     assert [e["seq"] for e in originators] == [first["seq"]]
+
+
+def test_gradscaler_overflows_are_the_scaler_at_work_not_divergences(tmp_path: Path) -> None:
+    """Loss scaling: a GradScaler's scaled float16 gradients overflow while its scale is too large, its check skips
+    those steps and lowers the scale.  Every op checked, a clean model: no originator, no first divergence, the
+    overflows kept as ``scaled_overflow`` and named in the run's notes; the script's output unchanged."""
+    script = _script(
+        tmp_path,
+        """
+        torch.manual_seed(0)
+        model = gpt2()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)  # too large: the first steps overflow
+        skipped = 0
+        for step in range(5):
+            ids = torch.randint(0, 100, (2, 16))
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(input_ids=ids, labels=ids).loss
+            scaler.scale(loss).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+            print(step, "loss", loss.item(), "scale", scaler.get_scale())
+        print("skipped", skipped)
+    """,
+    )
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, check=True)
+    assert "skipped 0" not in plain.stdout  # the scaler did skip steps: the overflows happened
+    data = _capture(tmp_path, script, "--numerics", "all")
+    assert data["_stdout"] == plain.stdout
+    num = data["numerics"]
+    assert num["first_divergence"] is None and num["divergent_ops"] == []
+    notes = data["run"]["notes"]
+    assert any("scaled by a GradScaler overflowed" in n for n in notes), notes
+    import duckdb
+
+    with duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True) as con:
+        scaled = con.execute(
+            "SELECT count(*) FROM op_diffs d JOIN ops o USING (run_id, seq) "
+            "WHERE d.verdict = 'scaled_overflow' AND o.phase = 'backward' AND d.dtype = 'float16'"
+        ).fetchone()
+    assert scaled is not None and scaled[0] > 0
+    out = run_tpudiag("report", "--db", str(tmp_path / "store.duckdb"), cwd=tmp_path)
+    assert "FIRST DIVERGENCE" not in out.stdout
 
 
 @pytest.mark.slow

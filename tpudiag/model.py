@@ -150,7 +150,7 @@ class OpDiff:
     run_id: str
     seq: int
     output_index: int
-    verdict: str  # "pass" | "fail" | "overflow" | "expected_precision" | "skip"
+    verdict: str  # "pass" | "fail" | "overflow" | "scaled_overflow" | "expected_precision" | "skip"
     role: str | None = None  # "originator" | "propagator" | None
     dtype: str | None = None
     numel: int | None = None

@@ -20,6 +20,7 @@ from tpudiag.oracle.ops import OpPlan
 
 if TYPE_CHECKING:
     from tpudiag.collectors.numerics.context import Context
+    from tpudiag.collectors.numerics.grad_scaler import ScalerWatch
     from tpudiag.collectors.numerics.shadow import ShadowStream
     from tpudiag.oracle.copies import Float64Copies
 
@@ -37,6 +38,7 @@ class OutputJudge(OracleRuns):
     ctx: Context
     copies: Float64Copies
     shadow: ShadowStream
+    scalers: ScalerWatch
 
     def _confirm(
         self,
@@ -196,6 +198,15 @@ class OutputJudge(OracleRuns):
                 emulated = self._emulated_error(func, plan, src_args, src_kwargs, i, exp_t)
                 if emulated is not None:
                     verdict = _decide_at(Evidence(**{**ev.__dict__, "emulated_scaled_error": emulated}), at, factor)
+            if verdict.verdict == "overflow" and torch._C._current_graph_task_id() >= 0 and self.scalers.scaling():
+                # A GradScaler's scaled gradients past the dtype's range: the scaler's own check skips this step
+                # and lowers its scale (grad_scaler.py).  Not divergent, and nothing downstream is measured from it.
+                verdict = Verdict(
+                    "scaled_overflow",
+                    None,
+                    f"{m.overflow} element(s) of GradScaler-scaled gradients past the {m.dtype} range (the scaler "
+                    "skips the optimizer step and lowers its scale)",
+                )
             prop_err: float | None = None
             prop_div = False
             if shadowed is not None and i < len(shadowed) and not is_discrete(dev_t.dtype):

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpudiag import internal_errors
 from tpudiag.collectors.numerics.context import Context
+from tpudiag.collectors.numerics.grad_scaler import ScalerWatch
 from tpudiag.collectors.numerics.judge import OutputJudge
 from tpudiag.collectors.numerics.op_cost import _device, _flops, user_source
 from tpudiag.collectors.numerics.oracle_runs import OracleRuns, _OracleFailed, _strided, _tool_range
@@ -73,6 +74,7 @@ class NumericsMode(UncheckedCalls, OutputJudge, OracleRuns, TorchDispatchMode): 
         self.sampler = Sampler(options)
         self.budget = budget or Budget(options.budget_pct)
         self.shadow = ShadowStream()
+        self.scalers = ScalerWatch()
         self.copies = Float64Copies()
         self._descriptions: dict[tuple[Any, ...], tuple[str, str, str]] = {}
         self._precision_cache: dict[tuple[tuple[str, str], ...], str] = {}
@@ -289,6 +291,8 @@ class NumericsMode(UncheckedCalls, OutputJudge, OracleRuns, TorchDispatchMode): 
         findings.checked += checked
         self.recorder.op(record)
         self.recorder.diffs(diffs)
+        if any(d.verdict == "scaled_overflow" for d in diffs):
+            findings.scaled_overflows += 1
         if divergent:
             findings.divergent += 1
             if originator:

@@ -39,6 +39,7 @@ class Findings:
     divergent: int = 0
     originators: int = 0
     first: str | None = None
+    scaled_overflows: int = 0  # checked calls whose outputs overflowed under a GradScaler (not divergent)
 
 
 class Recorder:

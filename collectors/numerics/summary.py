@@ -85,6 +85,12 @@ class RunSummary:
                 f"numerics: {self._compiles} torch.compile frame(s) compiled normally; their fused kernels are "
                 "not checked (aten ops they call are)"
             )
+        if f.scaled_overflows:
+            self._ctx.note(
+                f"numerics: {f.scaled_overflows} checked op call(s) of backward passes scaled by a GradScaler "
+                "overflowed their dtype (verdict scaled_overflow, not a divergence: the scaler skips those optimizer "
+                "steps and lowers its scale)"
+            )
         if f.seen == 0:
             self._ctx.note("numerics: no aten ops were seen (did the script run any torch ops?)")
         elif f.checked == 0:

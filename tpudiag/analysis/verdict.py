@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-VERDICTS = ("pass", "fail", "overflow", "expected_precision", "skip")
+VERDICTS = ("pass", "fail", "overflow", "scaled_overflow", "expected_precision", "skip")
 DIVERGENT = ("fail", "overflow")
 
 # Machine epsilon per dtype name (torch.finfo(dt).eps), written out so this module needs no torch.
