@@ -37,6 +37,7 @@ class Window:
     numerics: bool = False
     detail: str | None = None
     start_ns: int = 0
+    opened_s: float | None = None  # first and scheduled windows: when chosen (their length spaces the schedule)
 
 
 class WindowPlan:
@@ -50,12 +51,13 @@ class WindowPlan:
     ) -> None:
         self.schedule, self.cap, self.limit, self.trigger_steps = schedule, cap, limit, trigger_steps
         t0 = time.monotonic() if now_s is None else now_s
-        self.open: Window | None = Window(0, "first_steps", 0, schedule.first_steps, t0 + schedule.first_s)
+        self.open: Window | None = Window(0, "first_steps", 0, schedule.first_steps, t0 + schedule.first_s, opened_s=t0)
         self.next: Window | None = None
         self.close_next = False
         self.count = 1  # window ids handed out
         self.cycles = 0  # scheduled windows opened
         self.last_end_s = t0  # when the last scheduled (or the first) window ended
+        self.last_len_s = 0.0  # ... and how long it lasted (``WindowSchedule.wait_s``)
         self.last_end_step = 0
         self.queued: list[control.WindowRequest] = []
         self.refused: dict[str, int] = {}  # windows the disk cap kept closed, by reason
@@ -105,7 +107,9 @@ class WindowPlan:
             if self.disabled is not None:
                 self._quiet = (float("inf"), float("inf"))
             else:
-                self._quiet = self.schedule.not_before(step + 1, self.last_end_step, self.last_end_s, self.cycles)
+                self._quiet = self.schedule.not_before(
+                    step + 1, self.last_end_step, self.last_end_s, self.cycles, self.last_len_s
+                )
 
     def _choose(self, step: int, now_s: float, busy: Any) -> Window | None:
         while self.queued:
@@ -118,12 +122,14 @@ class WindowPlan:
         closing = self.open.reason if self.open is not None else None
         if closing in ("first_steps", "schedule"):
             return None  # the schedule's clock restarts when this window has closed (``closed``), not before
-        if self.schedule.due(step, self.last_end_step, now_s, self.last_end_s, self.cycles):
+        schedule = self.schedule
+        if schedule.due(step, self.last_end_step, now_s, self.last_end_s, self.cycles, self.last_len_s):
             if not self.cap.allows("schedule", busy()):
                 self.refused["schedule"] = self.refused.get("schedule", 0) + 1
                 return None
             self.cycles += 1
-            return Window(self.count, "schedule", step, step + self.schedule.steps, None, False, None)
+            deadline = now_s + schedule.max_s if schedule.max_s is not None else None
+            return Window(self.count, "schedule", step, step + schedule.steps, deadline, opened_s=now_s)
         return None
 
     # -- carried out by the trace collector ---------------------------------------------------------------------
@@ -133,6 +139,7 @@ class WindowPlan:
         self.last_end_step = step
         if window is not None and window.reason in ("first_steps", "schedule"):
             self.last_end_s = now_s  # the schedule keeps its own rhythm, whatever triggers open in between
+            self.last_len_s = now_s - window.opened_s if window.opened_s is not None else 0.0
         return window
 
     def opened(self) -> Window | None:

@@ -83,7 +83,13 @@ def test_schedule_parses_both_forms_and_refuses_bad_ones() -> None:
     assert (timed.every_s, timed.active) == (120.0, 5)
     assert not timed.due(50, 20, now_s=100.0, last_end_s=0.0, cycles=0)
     assert timed.due(50, 20, now_s=121.0, last_end_s=0.0, cycles=0)
-    for bad in ("wait=x", "active=0", "every=10s,wait=3", "bogus=1", "wait"):
+    assert timed.max_s == 30.0 and steps.max_s is None  # the time form's windows last 30 s at most
+    assert timed.wait_s(0.0) == 120.0 and timed.wait_s(50.0) == 450.0  # at least 9x the last window
+    assert not timed.due(50, 20, now_s=300.0, last_end_s=0.0, cycles=0, last_len_s=50.0)
+    assert timed.due(50, 20, now_s=451.0, last_end_s=0.0, cycles=0, last_len_s=50.0)
+    assert schedule.parse("every=60s,active=2,max=10s").max_s == 10.0
+    assert schedule.parse("every=60s,max=0").max_s is None
+    for bad in ("wait=x", "active=0", "every=10s,wait=3", "bogus=1", "wait", "max=x", "max=-1", "wait=3,max=5s"):
         with pytest.raises(UsageError):
             schedule.parse(bad)
 
@@ -167,6 +173,37 @@ def test_a_scheduled_window_opens_once_per_interval_not_again_as_it_closes() -> 
                 opened.append((window.reason, window.first_step))
         # The first window (20 steps), then one scheduled window 15 s after it ended: not a second one right after.
         assert opened == [("schedule", 1520)], opened
+    finally:
+        control.deactivate()
+
+
+@pytest.mark.parametrize("step_s", [0.01, 1.0, 10.0, 60.0])
+def test_the_default_schedule_traces_at_most_a_tenth_of_the_run_whatever_the_step_time(step_s: float) -> None:
+    """Windows of 5 steps every 120 s traced 30% of a run of 10 s steps (and 83% of one of 60 s steps), each
+    window 50 s to 5 min of trace.  A window now ends after 30 s (one step at least) and the next waits 9x its
+    length; fast steps keep their five-step windows every 120 s."""
+    from tpudiag.collectors.windows import WindowPlan
+
+    control.activate()
+    try:
+        plan = WindowPlan(schedule.parse(None), analyst.DiskCap(), triggers.RateLimit(), now_s=0.0)
+        traced, lengths, steps = 0.0, [], int(4 * 3600 / step_s)  # four hours
+        start: float | None = None
+        for step in range(steps):
+            now = step * step_s
+            plan.plan(step, now, [], set)
+            if plan.close_next:
+                window = plan.closed(step, now)
+                if window is not None and window.reason == "schedule" and start is not None:
+                    traced += now - start
+                    lengths.append((now - start, step - window.first_step))
+            if plan.opened() is not None:
+                start = now
+        assert lengths, "no scheduled window"
+        assert traced / (steps * step_s) <= 0.11
+        assert all(seconds <= max(30.0, step_s) and n >= 1 for seconds, n in lengths)
+        if step_s < 1:
+            assert {n for _, n in lengths} == {5} and len(lengths) >= 100  # every 120 s, five steps each
     finally:
         control.deactivate()
 

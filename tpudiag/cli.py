@@ -324,7 +324,8 @@ def build_parser(extra_commands: bool = True) -> argparse.ArgumentParser:
         metavar="SPEC",
         type=_trace_schedule,
         help="when scheduled windows open: wait=W,warmup=U,active=A,repeat=R (steps, as torch.profiler.schedule) "
-        "or every=120s,active=5 (the default)",
+        "or every=120s,active=5,max=30s (the default: a window also ends after 30 s, and the next waits at least 9x "
+        "its length)",
     )
     p.add_argument(
         "--max-disk",

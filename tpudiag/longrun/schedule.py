@@ -7,6 +7,10 @@
   ``wait=W,warmup=U,active=A,repeat=R[,skip_first=S]`` (steps; each cycle waits W steps, then traces U + A steps;
   ``repeat=0`` cycles until the run ends), or by time: ``every=120s,active=5`` (a window of A steps every 120 s,
   the default, so a window's cost does not depend on how fast the steps are).
+- In the time form a window also ends once it has lasted ``max=30s`` (after at least one step; ``max=0``: no
+  limit), and the wait after a window is at least 9 times its length, so windows trace at most ~10% of the run
+  whatever the step time: with 10 s steps, five-step windows every 120 s would trace 30% of the run (50 s of 170),
+  and each window's trace would be 50 s long.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from tpudiag.errors import UsageError
 FIRST_STEPS = 20
 FIRST_S = 60.0
 DEFAULT_SPEC = "every=120s,active=5"
-_KEYS = ("wait", "warmup", "active", "repeat", "skip_first", "every")
+_KEYS = ("wait", "warmup", "active", "repeat", "skip_first", "every", "max")
+MAX_S = 30.0  # the time form's longest window (``max=``)
+TRACED_SHARE = 0.1  # the time form's windows trace at most this share of the run: the wait is >= 9x a window
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,7 @@ class WindowSchedule:
     repeat: int = 0
     skip_first: int = 0
     every_s: float | None = 120.0  # time form
+    max_s: float | None = MAX_S  # time form: a window ends after this long (at a step's end); None: no limit
     first_steps: int = FIRST_STEPS
     first_s: float = FIRST_S
 
@@ -37,11 +44,19 @@ class WindowSchedule:
         """Steps one scheduled window covers."""
         return self.warmup + self.active
 
-    def due(self, step: int, window_steps_after: int, now_s: float, last_end_s: float, cycles: int) -> bool:
+    def wait_s(self, last_len_s: float) -> float:
+        """Time form: the wait after a scheduled (or the first) window that lasted ``last_len_s``."""
+        assert self.every_s is not None
+        return max(self.every_s, last_len_s * (1.0 / TRACED_SHARE - 1.0))
+
+    def due(
+        self, step: int, window_steps_after: int, now_s: float, last_end_s: float, cycles: int, last_len_s: float = 0.0
+    ) -> bool:
         """Whether a scheduled window opens at ``step`` (about to start).
 
-        ``window_steps_after``: the step the last window of any kind ended at; ``last_end_s``: when it ended;
-        ``cycles``: scheduled windows opened so far.
+        ``window_steps_after``: the step the last window of any kind ended at; ``last_end_s``: when the last
+        scheduled (or the first) window ended, ``last_len_s`` how long it lasted; ``cycles``: scheduled windows
+        opened so far.
         """
         if self.repeat and cycles >= self.repeat:
             return False
@@ -51,10 +66,11 @@ class WindowSchedule:
                 return False
             cycle = self.wait + self.steps
             return (step - start) % cycle == self.wait
-        assert self.every_s is not None
-        return now_s - last_end_s >= self.every_s and step >= window_steps_after
+        return now_s - last_end_s >= self.wait_s(last_len_s) and step >= window_steps_after
 
-    def not_before(self, step: int, window_steps_after: int, last_end_s: float, cycles: int) -> tuple[float, float]:
+    def not_before(
+        self, step: int, window_steps_after: int, last_end_s: float, cycles: int, last_len_s: float = 0.0
+    ) -> tuple[float, float]:
         """(first step, first time) before either of which ``due`` is false for every step from ``step`` on, the
         other arguments as they stand (a step's end may then skip asking): ``due`` needs both reached."""
         never = (float("inf"), float("inf"))
@@ -66,8 +82,7 @@ class WindowSchedule:
             if step <= start:
                 return (start + self.wait, float("-inf"))
             return (step + (self.wait - (step - start)) % cycle, float("-inf"))
-        assert self.every_s is not None
-        return (window_steps_after, last_end_s + self.every_s)
+        return (window_steps_after, last_end_s + self.wait_s(last_len_s))
 
 
 def parse(spec: str | None, first_steps: int = FIRST_STEPS, first_s: float = FIRST_S) -> WindowSchedule:
@@ -83,13 +98,19 @@ def parse(spec: str | None, first_steps: int = FIRST_STEPS, first_s: float = FIR
             )
         values[key] = value.strip()
     try:
-        ints = {k: int(v) for k, v in values.items() if k != "every"}
+        ints = {k: int(v) for k, v in values.items() if k not in ("every", "max")}
         every = float(values["every"].rstrip("s")) if "every" in values else None
+        longest = float(values["max"].rstrip("s")) if "max" in values else MAX_S
     except ValueError:
         raise UsageError(f"--trace-schedule {spec!r}: values must be whole numbers (every: seconds)") from None
-    if any(v < 0 for v in ints.values()) or ints.get("active", 1) < 1 or (every is not None and every <= 0):
+    if (
+        any(v < 0 for v in ints.values())
+        or ints.get("active", 1) < 1
+        or (every is not None and every <= 0)
+        or not longest >= 0
+    ):
         raise UsageError(f"--trace-schedule {spec!r}: active must be at least 1, the others not negative")
-    if "wait" in ints and every is not None:
+    if "wait" in ints and (every is not None or "max" in values):
         raise UsageError(f"--trace-schedule {spec!r}: give wait=.. (steps) or every=.. (seconds), not both")
     if "wait" not in ints and every is None:
         every = 120.0
@@ -100,6 +121,7 @@ def parse(spec: str | None, first_steps: int = FIRST_STEPS, first_s: float = FIR
         repeat=ints.get("repeat", 0),
         skip_first=ints.get("skip_first", 0),
         every_s=every if "wait" not in ints else None,
+        max_s=(longest or None) if "wait" not in ints else None,
         first_steps=first_steps,
         first_s=first_s,
     )
