@@ -110,8 +110,10 @@ def parse(spec: str | None, first_steps: int = FIRST_STEPS, first_s: float = FIR
         or not longest >= 0
     ):
         raise UsageError(f"--trace-schedule {spec!r}: active must be at least 1, the others not negative")
-    if "wait" in ints and (every is not None or "max" in values):
+    if "wait" in ints and every is not None:
         raise UsageError(f"--trace-schedule {spec!r}: give wait=.. (steps) or every=.. (seconds), not both")
+    if "wait" in ints and "max" in values:
+        raise UsageError(f"--trace-schedule {spec!r}: max=.. (seconds) goes with every=.., not wait=..")
     if "wait" not in ints and every is None:
         every = 120.0
     return WindowSchedule(
