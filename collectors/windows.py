@@ -7,8 +7,9 @@ first step already.
 
 - Window 0 (``first_steps``) is open from the capture's start until ``first_steps`` steps or ``first_s`` seconds.
 - A trigger (slow step, recompile, graph break, non-finite, memory, numerics, manual) after warm-up asks for a
-  window over the next ``trigger_steps`` steps, with every op checked (within ``--budget``); rate-limited
-  (``tpudiag.longrun.triggers.RateLimit``).  A trigger during an open window waits for it to close.
+  window over the next ``trigger_steps`` steps (or ``TRIGGER_MAX_S`` of them, manual requests excepted), with every
+  op checked (within ``--budget``); rate-limited (``tpudiag.longrun.triggers.RateLimit``).  A trigger during an
+  open window waits for it to close.
 - Otherwise the schedule (``tpudiag.longrun.schedule``) opens one now and then, while ``--max-disk`` allows.
 """
 
@@ -24,6 +25,7 @@ from tpudiag.longrun.schedule import WindowSchedule
 from tpudiag.longrun.triggers import WARMUP_STEPS, RateLimit
 
 TRIGGER_STEPS = 5
+TRIGGER_MAX_S = 30.0
 MAX_QUEUED = 4
 
 
@@ -118,7 +120,10 @@ class WindowPlan:
                 self.refused[req.reason] = self.refused.get(req.reason, 0) + 1
                 continue
             steps = req.steps or self.trigger_steps
-            return Window(self.count, req.reason, step, step + steps, None, req.numerics, req.detail)
+            # A trigger's window ends after its steps or TRIGGER_MAX_S (one step at least): five 60 s steps would be
+            # five minutes of trace.  A manual request gets the steps it asked for.
+            deadline = None if req.reason == "manual" else now_s + TRIGGER_MAX_S
+            return Window(self.count, req.reason, step, step + steps, deadline, req.numerics, req.detail)
         closing = self.open.reason if self.open is not None else None
         if closing in ("first_steps", "schedule"):
             return None  # the schedule's clock restarts when this window has closed (``closed``), not before

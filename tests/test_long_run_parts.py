@@ -147,9 +147,11 @@ def test_window_plan_first_steps_then_triggers_after_warm_up() -> None:
         assert plan.close_next and plan.next is None
         assert plan.limit.held == {"slow_step": 1}
         plan.closed(155, 5.0)
+        assert window.deadline_s == 3.0 + 30.0  # a trigger's window: its 5 steps or 30 s (slow steps)
         control.request("manual", steps=2, numerics=False, detail="tpudiag trigger")
         plan.plan(160, 6.0, [], set)
         assert plan.next is not None and plan.next.reason == "manual" and plan.next.end_step == 162
+        assert plan.next.deadline_s is None  # the steps asked for, however long they take
         assert not control.numerics_wanted()
     finally:
         control.deactivate()
