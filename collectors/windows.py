@@ -39,7 +39,7 @@ class Window:
     numerics: bool = False
     detail: str | None = None
     start_ns: int = 0
-    opened_s: float | None = None  # first and scheduled windows: when chosen (their length spaces the schedule)
+    opened_s: float | None = None  # scheduled windows: when chosen (their length spaces the next one)
 
 
 class WindowPlan:
@@ -53,13 +53,13 @@ class WindowPlan:
     ) -> None:
         self.schedule, self.cap, self.limit, self.trigger_steps = schedule, cap, limit, trigger_steps
         t0 = time.monotonic() if now_s is None else now_s
-        self.open: Window | None = Window(0, "first_steps", 0, schedule.first_steps, t0 + schedule.first_s, opened_s=t0)
+        self.open: Window | None = Window(0, "first_steps", 0, schedule.first_steps, t0 + schedule.first_s)
         self.next: Window | None = None
         self.close_next = False
         self.count = 1  # window ids handed out
         self.cycles = 0  # scheduled windows opened
         self.last_end_s = t0  # when the last scheduled (or the first) window ended
-        self.last_len_s = 0.0  # ... and how long it lasted (``WindowSchedule.wait_s``)
+        self.last_len_s = 0.0  # ... and how long it lasted, if scheduled (``WindowSchedule.wait_s``)
         self.last_end_step = 0
         self.queued: list[control.WindowRequest] = []
         self.refused: dict[str, int] = {}  # windows the disk cap kept closed, by reason
@@ -144,6 +144,7 @@ class WindowPlan:
         self.last_end_step = step
         if window is not None and window.reason in ("first_steps", "schedule"):
             self.last_end_s = now_s  # the schedule keeps its own rhythm, whatever triggers open in between
+            # Spaced by the length of scheduled windows only (the first window is the run's start, paid once).
             self.last_len_s = now_s - window.opened_s if window.opened_s is not None else 0.0
         return window
 
