@@ -130,9 +130,10 @@ def connect_remote(con: duckdb.DuckDBPyConnection, remote: Remote, fs: Any, sour
 
 
 # DuckDB's memory for the read, tried in turn: its tables spill to a temporary folder past the limit, so the
-# report's memory does not grow with the number of ranks (measured, 256 ranks x 1000 events from a file:// bucket:
-# peak 133 MB without a limit, 101 MB with 16 MB, the 1-rank run 89 MB).  A query that cannot spill within a limit
-# (DuckDB's out-of-memory error) is read again under the next one; the last is DuckDB's own default.
+# report's memory hardly grows with the number of ranks (measured from a file:// bucket, 1,000 events a rank: peak
+# 134 / 205 / 282 MB at 256 / 1,024 / 2,048 ranks without a limit, 114 / 129 / 137 MB with 32 MB).  A read that
+# cannot fit (DuckDB's out-of-memory error: under 16 MB, 1,024 ranks' collectives did not) is read again under the
+# next limit; the last is DuckDB's own default.
 MEMORY_LIMITS: tuple[str | None, ...] = (os.environ.get("TPUDIAG_REMOTE_MEMORY", "32MB"), "256MB", None)
 
 

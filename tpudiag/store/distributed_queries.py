@@ -177,8 +177,8 @@ def load_declared_tables(con: duckdb.DuckDBPyConnection, root: Path, run_id: str
 SizeKey = tuple[str | None, str | None]
 
 
-# Ranks numbered per window query: the window holds one batch's rows, not the job's, so its memory does not grow
-# with the number of ranks (the bucket reader runs under a memory limit, ``tpudiag.remote.reader``).
+# The bucket reader (``tpudiag.remote.reader``, under a memory limit) numbers ranks in batches: the window query
+# then holds one batch's rows, not the job's.  A local merge numbers them in one pass (a batch is one more scan).
 RANK_BATCH = 64
 COLLECTIVE_ROWS = "category = 'user_annotation' AND (starts_with(name, 'gloo:') OR starts_with(name, 'nccl:'))"
 
@@ -189,18 +189,21 @@ def load_collectives(con: duckdb.DuckDBPyConnection, root: Root, run_id: str) ->
     if not shard_files(root, "trace_events"):
         return []
     source = _source(root, "trace_events")
-    bounds = con.execute(f"SELECT min(rank), max(rank) FROM {source} WHERE {COLLECTIVE_ROWS}").fetchone()
-    low, high = bounds if bounds and bounds[0] is not None else (0, -1)  # (0, -1): no collective at all
-    for start in range(int(low), int(high) + 1, RANK_BATCH):
+    batches: list[tuple[int, int]] | None = None  # [low, high) rank ranges; None: every rank at once
+    if not isinstance(root, Path):
+        bounds = con.execute(f"SELECT min(rank), max(rank) FROM {source} WHERE {COLLECTIVE_ROWS}").fetchone()
+        low, high = bounds if bounds and bounds[0] is not None else (0, -1)  # (0, -1): no collective at all
+        batches = [(r, r + RANK_BATCH) for r in range(int(low), int(high) + 1, RANK_BATCH)]
+    for batch in [None] if batches is None else batches:
         con.execute(
             f"""
             INSERT INTO dist_collectives BY NAME
             SELECT ? AS run_id, rank, restart, split_part(name, ':', 2) AS op, shapes, dtypes, start_ns, dur_ns,
                    row_number() OVER (PARTITION BY rank, restart ORDER BY start_ns, event_id) - 1 AS seq
             FROM {source}
-            WHERE {COLLECTIVE_ROWS} AND rank >= ? AND rank < ?
+            WHERE {COLLECTIVE_ROWS} {"" if batch is None else "AND rank >= ? AND rank < ?"}
             """,
-            [run_id, start, start + RANK_BATCH],
+            [run_id, *(batch or ())],
         )
     rows = con.execute("SELECT DISTINCT shapes, dtypes FROM dist_collectives WHERE run_id = ?", [run_id]).fetchall()
     return [(a, b) for a, b in rows]
