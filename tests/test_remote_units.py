@@ -210,6 +210,30 @@ def test_remote_report_reads_under_a_memory_limit_and_retries_past_it(
     assert not any(spills.iterdir())  # the spill folder is gone
 
 
+def test_remote_report_numbers_collectives_in_rank_batches_as_a_local_merge_in_one_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bucket reader numbers each rank's collectives in batches of ranks (``RANK_BATCH``); the gathered run's
+    local merge in one pass: the same section, collectives and straggler included."""
+    from bench.bench_distributed import STRAGGLER, write_job
+    from tpudiag.distributed.report_section import build_section
+    from tpudiag.store import distributed_queries
+
+    run_dir = tmp_path / "node" / "run"
+    ranks = STRAGGLER + 3
+    write_job(run_dir, "job5", ranks, 60)
+    url = f"file://{tmp_path / 'bucket'}"
+    _upload(run_dir, url, "job5", "hostA-1")
+    monkeypatch.setattr(distributed_queries, "RANK_BATCH", 4)  # several batches, the last one short
+    remote = location.parse(url)
+    dist = remote_report(remote, "job5")["distributed"]
+    store = Store(tmp_path / "g.duckdb")
+    gather(store, remote, "job5")
+    assert build_section(store, queries.resolve_run(store, "job5")) == dist
+    assert [r["collectives"] for r in dist["ranks"]] == [12] * ranks  # one all-reduce per 5 events, every rank
+    assert dist["stragglers"][0]["rank"] == STRAGGLER
+
+
 @pytest.mark.timeout(180)
 def test_give_up_listed_by_runs_then_upload_retries(tmp_path: Path) -> None:
     db = tmp_path / "s.duckdb"
