@@ -208,6 +208,9 @@ def test_remote_report_reads_under_a_memory_limit_and_retries_past_it(
     assert remote_report(remote, "job3") == unlimited
     assert tried == [("256KB", "out of memory"), ("64MB", "read")]  # the limit holds, the next one reads
     assert not any(spills.iterdir())  # the spill folder is gone
+    monkeypatch.setenv("TPUDIAG_REMOTE_MEMORY", "lots")
+    with pytest.raises(UsageError, match="TPUDIAG_REMOTE_MEMORY='lots'"):
+        remote_report(remote, "job3")
 
 
 def test_remote_report_numbers_collectives_in_rank_batches_as_a_local_merge_in_one_pass(

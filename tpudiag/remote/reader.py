@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from tpudiag.distributed import merge
 from tpudiag.distributed.records import Fingerprint, RankInfo
 from tpudiag.distributed.report_section import section_from
+from tpudiag.errors import UsageError
 from tpudiag.remote import catalog
 from tpudiag.remote.gather import run_record
 from tpudiag.remote.location import Remote
@@ -134,7 +135,7 @@ def connect_remote(con: duckdb.DuckDBPyConnection, remote: Remote, fs: Any, sour
 # 134 / 205 / 282 MB at 256 / 1,024 / 2,048 ranks without a limit, 114 / 129 / 137 MB with 32 MB).  A read that
 # cannot fit (DuckDB's out-of-memory error: under 16 MB, 1,024 ranks' collectives did not) is read again under the
 # next limit; the last is DuckDB's own default.
-MEMORY_LIMITS: tuple[str | None, ...] = (os.environ.get("TPUDIAG_REMOTE_MEMORY", "32MB"), "256MB", None)
+MEMORY_LIMITS: tuple[str | None, ...] = ("32MB", "256MB", None)  # the first one: TPUDIAG_REMOTE_MEMORY if set
 
 
 def remote_report(remote: Remote, run_id: str | None) -> dict[str, Any]:
@@ -144,8 +145,9 @@ def remote_report(remote: Remote, run_id: str | None) -> dict[str, Any]:
     rid = catalog.resolve_run(remote, fs, run_id)
     states = catalog.nodes(remote, fs, rid)
     section: dict[str, Any] | None = None
+    first = os.environ.get("TPUDIAG_REMOTE_MEMORY") or MEMORY_LIMITS[0]
     with tempfile.TemporaryDirectory(prefix="tpudiag-remote-") as spill:
-        for limit in MEMORY_LIMITS:
+        for limit in (first, *MEMORY_LIMITS[1:]):
             try:
                 section = _section(remote, fs, rid, states, limit, spill)
                 break
@@ -177,7 +179,10 @@ def _section(
     try:
         con.execute("SET temp_directory = ?", [spill])
         if limit:
-            con.execute("SET memory_limit = ?", [limit])
+            try:
+                con.execute("SET memory_limit = ?", [limit])
+            except duckdb.Error:
+                raise UsageError(f"TPUDIAG_REMOTE_MEMORY={limit!r}: expected a memory size such as 32MB") from None
         source = BucketShards(remote, states)
         connect_remote(con, remote, fs, source, rid)
         source.load(con)
