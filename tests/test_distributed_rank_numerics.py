@@ -159,3 +159,34 @@ def test_repro_of_another_ranks_op(job: dict[str, Any], tmp_path: Path) -> None:
     assert (out / "inputs.pt").is_file() and "aten::tanh" in (out / "repro.py").read_text()
     wrong = run_tpudiag("repro", run_id, str(first["seq"]), "--rank", "1", "--db", str(job["db"]), "-o", str(out))
     assert wrong.returncode != 0 and "on rank 1" in wrong.stderr and "Traceback" not in wrong.stderr
+
+
+def test_repro_of_a_rank_of_a_run_gathered_from_a_bucket(job: dict[str, Any], tmp_path: Path) -> None:
+    """The job's run folder uploaded as one node of a pod; gathered elsewhere, rank 2's saved inputs are there
+    only once ``gather --raw`` brought the node's files, and ``repro --rank 2`` finds them."""
+    from tpudiag.remote.uploader import UploadConfig, Uploader
+    from tpudiag.store import Store
+
+    first = job["report"]["numerics"]["first_divergence"]
+    run_id = job["report"]["run"]["id"]
+    run_dir = Store(job["db"]).run_dir(run_id)
+    url = f"file://{tmp_path / 'bucket'}"
+    config = UploadConfig(url=url, run_id="pod1", node="hostA-1", host="hostA", launcher_pid=os.getpid())
+    config.save(run_dir)
+    assert Uploader(run_dir, config, give_up_s=10).finish({"status": "ok", "exit_code": 0, "notes": []})
+    db = str(tmp_path / "gathered.duckdb")
+    assert run_tpudiag("gather", url, "--run", "pod1", "--db", db).returncode == 0
+    out = tmp_path / "bundle"
+    args = ["repro", "pod1", str(first["seq"]), "--rank", "2", "--db", db, "-o", str(out)]
+    workers = run_dir / "workers"
+    workers.rename(run_dir / "workers.away")  # the node's own folders are not on this machine (put back below)
+    try:
+        missing = run_tpudiag(*args)
+        assert missing.returncode != 0 and "Traceback" not in missing.stderr
+        raw = run_tpudiag("gather", url, "--run", "pod1", "--db", db, "--raw")
+        assert raw.returncode == 0 and "raw files:" in raw.stdout, raw.stderr
+        made = run_tpudiag(*args)
+    finally:
+        (run_dir / "workers.away").rename(workers)
+    assert made.returncode == 0, made.stderr
+    assert (out / "inputs.pt").is_file() and "aten::tanh" in (out / "repro.py").read_text()

@@ -170,6 +170,36 @@ def test_gather_and_remote_report_read_only_listed_objects(tmp_path: Path) -> No
     assert run["status"] == "interrupted" and any("same-2" in n for n in run["notes"])
 
 
+def test_gather_raw_downloads_the_raw_files_on_demand_only(tmp_path: Path) -> None:
+    """Shards always; the raw files (XPlanes, trace windows, repro bundles) only with ``raw=True`` (``gather
+    --raw``), each node's under ``<run folder>/raw/<node>/`` as in its run folder, once."""
+    bucket = tmp_path / "bucket"
+    url = f"file://{bucket}"
+    a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    _node_run(a, "job6", [0, 1])
+    _node_run(b, "job6", [2, 3])
+    (a / "repro").mkdir()
+    (a / "repro" / "op-7.pt").write_bytes(b"bundle")
+    _upload(a, url, "job6", "hostA-1")
+    _upload(b, url, "job6", "hostB-2")
+    remote = location.parse(url)
+    store = Store(tmp_path / "g.duckdb")
+    first = gather(store, remote, "job6")
+    run_dir = store.run_dir("job6")
+    assert first.raw_dir is None and not (run_dir / "raw").exists()  # not asked for: nothing raw downloaded
+    second = gather(store, remote, "job6", raw=True)
+    raw = run_dir / "raw"
+    assert second.raw_dir == str(raw) and second.raw_downloaded > 0 and second.downloaded == 0
+    xplane = "workers/a0-103/plugins/profile/2026_12_02_10_00_00/hostA_3.xplane.pb"
+    assert (raw / "hostB-2" / xplane).read_bytes() == (b / xplane).read_bytes() == b"xxx"
+    assert (raw / "hostA-1" / "repro" / "op-7.pt").read_bytes() == b"bundle"
+    assert not (raw / "hostA-1" / "shards").exists()  # shards are the merge's, under shards/
+    again = gather(store, remote, "job6", raw=True)
+    assert (again.raw_downloaded, again.raw_skipped) == (0, second.raw_downloaded)
+    out = run_tpudiag("gather", url, "--run", "job6", "--db", str(tmp_path / "g.duckdb"), "--raw")
+    assert out.returncode == 0 and f"raw files: 0 downloaded, {second.raw_downloaded} already here" in out.stdout
+
+
 def test_remote_report_reads_under_a_memory_limit_and_retries_past_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

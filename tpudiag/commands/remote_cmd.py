@@ -22,6 +22,11 @@ def register_gather(sub: Any) -> None:
     p.add_argument("url", help="the --remote URL the job uploaded to")
     p.add_argument("--run", help="run id in the bucket (default: the newest)")
     p.add_argument("--db", help="store path (default: $TPUDIAG_DB or ./tpudiag.duckdb)")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="also download the run's raw files (trace windows, XPlanes, repro bundles) into <run folder>/raw/<node>/",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_gather)
 
@@ -46,7 +51,7 @@ def cmd_gather(args: argparse.Namespace, rest: list[str]) -> int:
 
     remote = parse(args.url)
     store = Store(resolve_db_path(args.db))
-    result = gather(store, remote, args.run)
+    result = gather(store, remote, args.run, raw=args.raw)
     if args.json:
         print(json.dumps(result.__dict__, indent=2))
         return 0
@@ -55,6 +60,8 @@ def cmd_gather(args: argparse.Namespace, rest: list[str]) -> int:
         f"run {result.run_id} ({result.status}): {result.nodes} node(s), {result.downloaded} shard part(s) "
         f"downloaded, {result.skipped} already here{lost}; stored in {store.path}"
     )
+    if result.raw_dir is not None:
+        print(f"raw files: {result.raw_downloaded} downloaded, {result.raw_skipped} already here, in {result.raw_dir}")
     return 0
 
 

@@ -104,9 +104,16 @@ def cmd_repro(args: Any, rest: list[str]) -> int:
     if detail is None:
         raise UnknownRunError(f"run {run['id']} has no recorded op with seq {args.seq} (see tpudiag report)")
     if not saved.is_file():
+        gathered = any("gathered from" in n for n in run.get("notes") or [])
         raise UsageError(
-            f"op {args.seq} ({detail['op']}) of run {run['id']} has no saved inputs: inputs are kept only for "
-            "divergent ops (originators, up to 20 per run)"
+            f"op {args.seq} ({detail['op']}) of run {run['id']} has no saved inputs here: "
+            + (
+                "this run was gathered from a bucket; its ranks' files come with `tpudiag gather URL --run "
+                f"{run['id']} --raw`, then "
+                + ("run this again" if args.rank is not None else f"`tpudiag repro {run['id']} {args.seq} --rank R`")
+                if gathered
+                else "inputs are kept only for divergent ops (originators, up to 20 per run)"
+            )
         )
     out = Path(args.out or f"tpudiag-repro-{run['id']}-{args.seq}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -24,4 +24,20 @@ def rank_op(store: Store, run_id: str, rank: int, seq: int) -> tuple[dict[str, A
     saved = Path(row["repro_path"]) if row.get("repro_path") else folder / "numerics" / "repro" / f"op-{seq}.pt"
     if not saved.is_absolute():
         saved = folder / saved
+    if not saved.is_file():  # a run gathered from a bucket: the node's files, if `gather --raw` brought them
+        saved = gathered_copy(store.run_dir(run_id) / "raw", saved, row.get("host")) or saved
     return row, saved
+
+
+def gathered_copy(raw: Path, saved: Path, host: str | None) -> Path | None:
+    """Where ``tpudiag gather --raw`` put a node's file ``saved`` (``<raw>/<node>/<path in the node's run
+    folder>``): the path from its ``workers`` folder on (a rank of a launcher) or its ``numerics`` folder (a
+    one-process run) is looked for under every node's folder; a node of the rank's host first."""
+    parts = saved.parts
+    start = parts.index("workers") if "workers" in parts else (parts.index("numerics") if "numerics" in parts else -1)
+    if start < 0 or not raw.is_dir():
+        return None
+    found = sorted(p for p in raw.glob("*/" + "/".join(parts[start:])) if p.is_file())
+    mine = [p for p in found if host and p.relative_to(raw).parts[0].startswith(f"{host}-")]
+    best = mine or found
+    return best[0] if best else None

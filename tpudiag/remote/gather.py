@@ -4,8 +4,9 @@ Every node's manifest-listed shard objects are downloaded into the local run fol
 (``shards/<table>/run_id=<id>/rank=<r>/<node>--<part>.parquet``: the same layout a single-node job writes, the node
 key in the file name keeps parts of different nodes apart) and merged by ``tpudiag.distributed.merge`` exactly
 as a one-machine job is.  Objects already downloaded are skipped, and the merge replaces the run's rows, so gather
-can be repeated while the job runs.  Raw traces and XPlanes stay in the bucket (their object names are in the
-run's notes' manifest count; ``raw/`` is read on demand).
+can be repeated while the job runs.  Raw traces, XPlanes and repro bundles stay in the bucket unless asked for:
+``--raw`` downloads the run's ``raw/`` objects too, each node's under ``<run folder>/raw/<node>/`` in the layout of
+its run folder (worker folders, trace windows, repro bundles), to open in XProf, Perfetto or ``tpudiag repro``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class GatherResult:
     unfinished: list[str]
     downloaded: int
     skipped: int
+    raw_downloaded: int = 0
+    raw_skipped: int = 0
+    raw_dir: str | None = None
 
 
 def local_part(run_dir: Path, node: str, obj: str) -> Path | None:
@@ -43,6 +47,18 @@ def local_part(run_dir: Path, node: str, obj: str) -> Path | None:
     if len(parts) != 6 or parts[0] != "shards" or not parts[4].startswith("rank="):
         return None
     return run_dir / "shards" / parts[1] / parts[2] / parts[4] / f"{node}--{parts[5]}"
+
+
+def local_raw(run_dir: Path, node: str, obj: str) -> Path | None:
+    """``raw/run_id=<id>/node=<n>/<path>`` -> ``<run folder>/raw/<n>/<path>`` (None for anything else, or a path
+    that would leave that folder)."""
+    parts = obj.split("/")
+    if len(parts) < 4 or parts[0] != "raw" or not parts[2].startswith("node="):
+        return None
+    rest = parts[3:]
+    if any(p in ("", ".", "..") for p in rest):
+        return None
+    return run_dir / "raw" / node / Path(*rest)
 
 
 def _download(fs: Any, remote: Remote, obj: str, target: Path) -> None:
@@ -86,27 +102,44 @@ def run_record(run_id: str, states: list[catalog.NodeState], run_dir: Path) -> R
     return Run(**fields)
 
 
-def gather(store: Store, remote: Remote, run_id: str | None) -> GatherResult:
+def _fetch(fs: Any, remote: Remote, items: list[tuple[str, Path]]) -> tuple[int, int]:
+    """Download each (object, local path) not here yet (objects are written once); (downloaded, skipped)."""
+    downloaded = skipped = 0
+    for obj, target in items:
+        if target.is_file():
+            skipped += 1
+            continue
+        try:
+            _download(fs, remote, obj, target)
+        except Exception as err:
+            from tpudiag.errors import TpudiagError
+
+            raise TpudiagError(redact(f"cannot download {obj}: {type(err).__name__}: {err}")) from None
+        downloaded += 1
+    return downloaded, skipped
+
+
+def gather(store: Store, remote: Remote, run_id: str | None, raw: bool = False) -> GatherResult:
     fs = remote.filesystem()
     rid = catalog.resolve_run(remote, fs, run_id)
     states = catalog.nodes(remote, fs, rid)
     run_dir = store.run_dir(rid)
-    downloaded = skipped = 0
-    for state in states:
-        for obj in state.shard_objects():
-            target = local_part(run_dir, state.node, obj)
-            if target is None:
-                continue
-            if target.is_file():
-                skipped += 1
-                continue
-            try:
-                _download(fs, remote, obj, target)
-            except Exception as err:
-                from tpudiag.errors import TpudiagError
-
-                raise TpudiagError(redact(f"cannot download {obj}: {type(err).__name__}: {err}")) from None
-            downloaded += 1
+    shards = [
+        (obj, target)
+        for state in states
+        for obj in state.shard_objects()
+        if (target := local_part(run_dir, state.node, obj)) is not None
+    ]
+    downloaded, skipped = _fetch(fs, remote, shards)
+    raw_downloaded = raw_skipped = 0
+    if raw:
+        raws = [
+            (obj, target)
+            for state in states
+            for obj in state.objects
+            if (target := local_raw(run_dir, state.node, obj)) is not None
+        ]
+        raw_downloaded, raw_skipped = _fetch(fs, remote, raws)
     run = run_record(rid, states, run_dir)
     merged = merge.store_merged(store, run, lambda w: merge.finish(store, run, run_dir, con=w))
     return GatherResult(
@@ -117,4 +150,7 @@ def gather(store: Store, remote: Remote, run_id: str | None) -> GatherResult:
         [s.node for s in states if s.complete is None],
         downloaded,
         skipped,
+        raw_downloaded,
+        raw_skipped,
+        str(run_dir / "raw") if raw else None,
     )
