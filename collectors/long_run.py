@@ -206,7 +206,7 @@ class LongRunMixin:
 
         plan.next = Window(
             plan.count, paused.reason, self._pulse.step, paused.end_step, paused.deadline_s, paused.numerics,
-            paused.detail,
+            paused.detail, opened_s=paused.opened_s,
         )  # fmt: skip
         self._open_window()
 
