@@ -104,7 +104,9 @@ def cmd_repro(args: Any, rest: list[str]) -> int:
     if detail is None:
         raise UnknownRunError(f"run {run['id']} has no recorded op with seq {args.seq} (see tpudiag report)")
     if not saved.is_file():
-        gathered = any("gathered from" in n for n in run.get("notes") or [])
+        from tpudiag.remote.gather import GATHERED_NOTE
+
+        gathered = any(n.startswith(GATHERED_NOTE) for n in run.get("notes") or [])
         raise UsageError(
             f"op {args.seq} ({detail['op']}) of run {run['id']} has no saved inputs here: "
             + (

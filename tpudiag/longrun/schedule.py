@@ -45,7 +45,7 @@ class WindowSchedule:
         return self.warmup + self.active
 
     def wait_s(self, last_len_s: float) -> float:
-        """Time form: the wait after a scheduled (or the first) window that lasted ``last_len_s``."""
+        """Time form: the wait after a scheduled window that lasted ``last_len_s`` (0 after the first window)."""
         assert self.every_s is not None
         return max(self.every_s, last_len_s * (1.0 / TRACED_SHARE - 1.0))
 

@@ -25,6 +25,7 @@ from tpudiag.remote.location import Remote, redact
 from tpudiag.store import Store
 
 _WORSE = {"ok": 0, "interrupted": 1, "failed": 2}
+GATHERED_NOTE = "gathered from"  # how a gathered run's notes begin their line on its nodes (``tpudiag repro``)
 
 
 @dataclass
@@ -96,7 +97,7 @@ def run_record(run_id: str, states: list[catalog.NodeState], run_dir: Path) -> R
         if not exit_code and s.complete.get("exit_code"):
             exit_code = int(s.complete["exit_code"])
         notes += [n for n in s.complete.get("notes") or [] if n not in notes and "other node" not in n]
-    notes.append(f"gathered from {len(states)} node(s): {', '.join(s.node for s in states)}")
+    notes.append(f"{GATHERED_NOTE} {len(states)} node(s): {', '.join(s.node for s in states)}")
     fields.update(status=status, exit_code=exit_code if status != "interrupted" or exit_code else None)
     fields["notes"] = notes
     return Run(**fields)

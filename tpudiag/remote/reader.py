@@ -38,12 +38,11 @@ _HIVE = (
 
 # What the distributed merge reads of each table (``distributed_queries``): every other table is small and read
 # whole.  Each object is read once, with only these columns (Parquet column chunks: range reads).
-_COLLECTIVES = q.COLLECTIVE_ROWS
 _PROJECTIONS = {
     # the collectives, plus one row per (rank, restart) for the ranks that traced anything (``present_ranks``)
     "trace_events": (
         "SELECT rank, restart, name, category, shapes, dtypes, start_ns, dur_ns, event_id FROM {src} "
-        f"WHERE {_COLLECTIVES} "
+        f"WHERE {q.COLLECTIVE_ROWS} "
         "UNION ALL SELECT DISTINCT rank, restart, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM {src}"
     ),
     # checked ops with what ``rank_numerics_queries`` lists of them, plus one row per (rank, restart)
