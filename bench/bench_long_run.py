@@ -1,6 +1,13 @@
 """A long loop of fast steps (issue 21): plain python, the default ``tpudiag capture`` and ``torch.profiler`` with a
-schedule (20 active steps every 3,025), in one run, interleaved (``BENCH_ROUNDS`` rounds, default 1; each round
-starts with the next mode, and ``paired_throughput_vs_plain`` sets each round's runs against its own plain run).
+schedule (20 active steps every 3,025), in one run.
+
+Layouts (``BENCH_LAYOUT``).  ``side_by_side`` (the default on two cores or more): each of the capture and the
+profiler runs at the same time as a plain run, each process pinned to its own core (the capture's threads and its
+deferred writer share its core), then again with the cores swapped; its throughput is the median of its steps over
+the plain run's beside it.  Both runs see the same minutes of the machine: on this VM, whose speed drifts 10-30%
+between runs minutes apart, runs one after the other cannot resolve a few percent (a 10-minute capture once read
+1.096x plain).  ``sequential``: the modes one after the other (``BENCH_ROUNDS`` rounds, default 1, each starting
+with the next mode), each round's runs against its own plain run.
 
 The loop is tests/long_scripts/long_loop.py: a 7-layer MLP (AdamW), fixed wall time (``BENCH_LONG_S`` seconds,
 default 600), a run of planted slow steps at 40% of the run and a recompile at 70%.  Each mode reports the steps it
@@ -41,20 +48,55 @@ def _script(stdout: str) -> dict[str, Any]:
     return data
 
 
-def _run(mode: str, work: Path, seconds: float, n: int) -> dict[str, Any]:
+def _command(mode: str, work: Path, seconds: float, n: int) -> list[str]:
     anomalies = ["--slow-at", f"{seconds * 0.4:g}", "--recompile-at", f"{seconds * 0.7:g}"]
     loop = [str(LOOP), f"{seconds:g}", *anomalies]
-    db = work / f"b{n}.duckdb"
     if mode == "plain":
-        cmd = [sys.executable, *loop]
-    elif mode == "profiler":
+        return [sys.executable, *loop]
+    if mode == "profiler":
         folder = work / f"prof{n}"
         folder.mkdir()
-        cmd = [sys.executable, *loop, "--torch-profiler", str(folder)]
-    else:
-        cmd = [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), *loop]
-    proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, check=True)
-    out: dict[str, Any] = _script(proc.stdout)
+        return [sys.executable, *loop, "--torch-profiler", str(folder)]
+    return [sys.executable, "-m", "tpudiag", "capture", "--db", str(work / f"b{n}.duckdb"), *loop]
+
+
+def _run(mode: str, work: Path, seconds: float, n: int) -> dict[str, Any]:
+    proc = subprocess.run(_command(mode, work, seconds, n), cwd=work, capture_output=True, text=True, check=True)
+    return _results(mode, proc.stdout, work, n, seconds)
+
+
+def _pinned(core: int) -> Any:
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+def _side_by_side(modes: tuple[str, str], work: Path, seconds: float, n: int) -> list[dict[str, Any]]:
+    """Two modes at once, the first pinned to core 0 and the second to core 1 (with all their threads and child
+    processes: the capture's deferred writer shares its loop's core), so that both see the same minutes of the
+    machine."""
+    procs = [
+        subprocess.Popen(
+            _command(mode, work, seconds, n + i), cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, preexec_fn=_pinned(i),
+        )
+        for i, mode in enumerate(modes)
+    ]  # fmt: skip
+    outs = [p.communicate() for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        if p.returncode:
+            raise RuntimeError(f"exit {p.returncode}: {err[-2000:]}")
+    return [_results(mode, outs[i][0], work, n + i, seconds) for i, mode in enumerate(modes)]
+
+
+def _pair(text: str) -> tuple[str, str]:
+    a, _, b = text.partition(":")
+    if sorted((a, b)) not in (["capture", "plain"], ["plain", "profiler"]):
+        raise SystemExit(f"BENCH_PAIRS: {text!r} is not plain:capture, capture:plain, plain:profiler or profiler:plain")
+    return a, b
+
+
+def _results(mode: str, stdout: str, work: Path, n: int, seconds: float) -> dict[str, Any]:
+    db = work / f"b{n}.duckdb"
+    out: dict[str, Any] = _script(stdout)
     if mode == "profiler":
         out["disk_mb"] = round(sum(p.stat().st_size for p in (work / f"prof{n}").iterdir()) / 2**20, 1)
     if mode == "capture":
@@ -117,11 +159,6 @@ def _capture_seconds(con: Any, seconds: float) -> dict[str, float | int]:
     return out
 
 
-def _paired(steps: list[int], plain: list[int]) -> dict[str, Any]:
-    ratios = [round(a / b, 3) for a, b in zip(steps, plain, strict=True)]
-    return {"per_round": ratios, "median": round(statistics.median(ratios), 3)}
-
-
 def _slope(samples: list[list[float]]) -> float | None:
     half = samples[len(samples) // 2 :]
     if len(half) < 3:
@@ -136,31 +173,55 @@ def _slope(samples: list[list[float]]) -> float | None:
 def main() -> dict[str, object]:
     seconds = float(os.environ.get("BENCH_LONG_S", "600"))
     rounds = int(os.environ.get("BENCH_ROUNDS", "1"))
+    layout = os.environ.get("BENCH_LAYOUT") or ("side_by_side" if len(os.sched_getaffinity(0)) >= 2 else "sequential")
+    # Each mode beside a plain run on the other core, then with the cores swapped (``core0:core1`` pairs).
+    default_pairs = "plain:capture,capture:plain,plain:profiler,profiler:plain"
+    pairs = [_pair(p) for p in os.environ.get("BENCH_PAIRS", default_pairs).split(",")]
     results: dict[str, list[dict[str, Any]]] = {"plain": [], "capture": [], "profiler": []}
+    paired: dict[str, list[float]] = {"capture": [], "profiler": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         n = 0
         modes = ("plain", "capture", "profiler")
         for r in range(rounds):
+            if layout == "side_by_side":
+                for pair in pairs:
+                    runs = _side_by_side(pair, work, seconds, n)
+                    n += 2
+                    by_mode = dict(zip(pair, runs, strict=True))
+                    for m, run in by_mode.items():
+                        results[m].append(run)
+                    mode = next(m for m in pair if m != "plain")
+                    paired[mode].append(by_mode[mode]["steps"] / by_mode["plain"]["steps"])
+                continue
             # Each round starts with the next mode: a machine that drifts one way over the rounds favours none.
             for mode in modes[r % 3 :] + modes[: r % 3]:
                 results[mode].append(_run(mode, work, seconds, n))
                 n += 1
+            plain = results["plain"][-1]["steps"]
+            for mode in modes[1:]:
+                paired[mode].append(results[mode][-1]["steps"] / plain)
+    results = {m: rs for m, rs in results.items() if rs}
+    paired = {m: v for m, v in paired.items() if v}
+    if "capture" not in results:
+        raise SystemExit("BENCH_PAIRS: no pair runs the capture")
     plain_steps = max(r["steps"] for r in results["plain"])
     plain_rss = max(r["rss_end_kb"] for r in results["plain"]) / 1024
     cap = results["capture"][-1]
     summary = {
         "seconds_per_mode": seconds,
         "short_mode": seconds < 600,
-        "throughput_vs_plain": {
-            m: round(max(r["steps"] for r in rs) / plain_steps, 3) for m, rs in results.items() if m != "plain"
-        },
-        # Each round's capture and profiler against that round's plain run (minutes apart, not tens of minutes):
-        # on a VM whose speed drifts 10-30% over an hour these ratios are the ones to read.
+        "layout": layout,
+        # side_by_side: each run against the plain run beside it, on the other core in the same minutes (the
+        # median over both core orders); sequential: each round's runs against that round's plain run (minutes
+        # apart: on a VM whose speed drifts 10-30% over an hour, a few percent is within its drift).
+        "throughput_vs_plain": {m: round(statistics.median(v), 3) for m, v in paired.items()},
         "paired_throughput_vs_plain": {
-            m: _paired([r["steps"] for r in rs], [r["steps"] for r in results["plain"]])
-            for m, rs in results.items()
-            if m != "plain"
+            m: {"per_pair": [round(x, 3) for x in v], "median": round(statistics.median(v), 3)}
+            for m, v in paired.items()
+        },
+        "best_run_throughput_vs_plain": {
+            m: round(max(r["steps"] for r in rs) / plain_steps, 3) for m, rs in results.items() if m != "plain"
         },
         "peak_rss_over_plain_mb": {
             m: round(max(r["rss_end_kb"] for r in rs) / 1024 - plain_rss, 1)

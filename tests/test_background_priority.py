@@ -31,3 +31,32 @@ def test_the_analysis_and_feeder_children_lower_their_priority() -> None:
     for main in (analyst.main, feeder.main):
         body = inspect.getsource(main)
         assert "lower_priority(" in body.split("while True" if main is analyst.main else "while not")[0]
+
+
+def _autogroup_nice(pid: int | str) -> int:
+    with open(f"/proc/{pid}/autogroup") as fh:  # "/autogroup-123 nice 19"
+        return int(fh.read().split()[-1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroup scheduling on this kernel")
+def test_the_analysis_child_is_a_background_group_from_its_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Started in a session of its own, the child is a scheduling group of its own under Linux's autogroups: at the
+    group's default nice 0 it had half of a core it shared with the training loop, whatever its own class (an
+    idle-class analysis child took a 4 ms slice of the loop's core every ~10 ms).  The parent makes its group nice
+    19 (and the child idle) as soon as it has started, before the child's imports; its own group is untouched."""
+    from tpudiag.longrun import analyst
+
+    own = _autogroup_nice("self")
+    worker = analyst.Worker("run-x", tmp_path, tmp_path / "trace")
+    (tmp_path / "trace").mkdir()
+    worker.kick()
+    assert worker.proc is not None and worker.failed is None
+    try:
+        pid = worker.proc.pid
+        assert _autogroup_nice(pid) == 19
+        if hasattr(os, "SCHED_IDLE"):
+            assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        assert _autogroup_nice("self") == own
+    finally:
+        worker.stop(wait_s=30)
+    assert worker.proc.returncode is not None

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tpudiag.atomic_file import atomic_file
-from tpudiag.processes import lower_priority, pid_alive
+from tpudiag.processes import lower_priority, make_background, pid_alive
 
 JOBS = "jobs"
 STOP = "STOP"
@@ -178,6 +178,7 @@ class Worker:
                     start_new_session=True,  # the user's Ctrl-C does not reach it
                     cwd=self.trace_dir,  # not the user's folder: a module of theirs cannot shadow one tpudiag imports
                 )
+            make_background(self.proc.pid)
         except OSError as err:
             self.failed = str(err)
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from tpudiag.atomic_file import atomic_file
 from tpudiag.model import Run
+from tpudiag.processes import make_background
 from tpudiag.remote import layout
 from tpudiag.remote.location import parse, redact
 from tpudiag.remote.uploader import UploadConfig, folder
@@ -75,6 +76,7 @@ def begin(url: str, run_dir: Path, run_id: str, node: str | None = None) -> Uplo
             start_new_session=True,  # a signal to the job's process group does not reach it
             close_fds=True,
         )
+    make_background(proc.pid, idle=False)  # a share of a busy core, not half of it; full speed on a free one
     (up / "uploader.pid").write_text(str(proc.pid))
     return config
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tpudiag.errors import TpudiagError
 from tpudiag.model import Run
-from tpudiag.processes import lower_priority, pid_alive
+from tpudiag.processes import lower_priority, make_background, pid_alive
 from tpudiag.store.database import Store
 
 RUN_FILE = "feeder.json"
@@ -61,6 +61,7 @@ class SpoolFeeder:
                     ],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                 )  # fmt: skip
+            make_background(self.proc.pid)
         except OSError as err:
             self.failed = str(err)
             return False
