@@ -60,3 +60,19 @@ def test_the_analysis_child_is_a_background_group_from_its_start(tmp_path) -> No
     finally:
         worker.stop(wait_s=30)
     assert worker.proc.returncode is not None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroup scheduling on this kernel")
+def test_a_child_in_its_callers_session_leaves_the_sessions_group_alone() -> None:
+    """A group is a whole session's: ``lower_priority`` in a process started without a session of its own (the
+    user's shell's session, the training job in it) must not make that session nice 19.  Checked from a session of
+    the test's own (its group at nice 0 whatever earlier tests did), whose process starts such a child."""
+    code = (
+        "import subprocess, sys; "
+        "subprocess.run([sys.executable, '-c', 'from tpudiag.processes import lower_priority; lower_priority(10)'], "
+        "check=True); print(open('/proc/self/autogroup').read().split()[-1])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, start_new_session=True
+    )
+    assert out.stdout.split() == ["0"]

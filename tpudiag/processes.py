@@ -62,9 +62,13 @@ def make_background(pid: int, idle: bool = True) -> None:
 def nicer_group(pid: int | None = None) -> None:
     """A process's autogroup (its session's scheduling group; this process's by default) at nice 19, where the
     kernel has autogroups (a raise of nice needs no privilege; elsewhere the file is absent or refuses, and nothing
-    changes)."""
+    changes).  Only for a process that leads a session of its own: a group is a whole session's, and the session of
+    a process started without one of its own is the user's shell's, with the training job in it."""
     try:
-        with open(f"/proc/{'self' if pid is None else pid}/autogroup", "w") as fh:
+        target = os.getpid() if pid is None else pid
+        if os.getsid(target) != target or (pid is not None and os.getsid(0) == pid):
+            return  # not a session's leader, or the caller's own session's
+        with open(f"/proc/{target}/autogroup", "w") as fh:
             fh.write("19")
     except OSError:
         pass
