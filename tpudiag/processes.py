@@ -3,7 +3,6 @@ uploader all ask), and the background children's priority (``lower_priority``)."
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 
@@ -38,11 +37,8 @@ def lower_priority(nice: int) -> str:
     (``nicer_group``).
     """
     nicer_group()
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    if _idle(0):
         return "idle"
-    except (AttributeError, OSError):
-        pass
     try:
         os.nice(nice)
         return "nice"
@@ -55,8 +51,16 @@ def make_background(pid: int, idle: bool = True) -> None:
     nice 19 and (``idle``) the child in the idle class, before it has imported anything (``lower_priority``)."""
     nicer_group(pid)
     if idle:
-        with contextlib.suppress(AttributeError, OSError):
-            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        _idle(pid)
+
+
+def _idle(pid: int) -> bool:
+    """A process (0: this one) in Linux's idle scheduling class; False where there is none or it is refused."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 def nicer_group(pid: int | None = None) -> None:
