@@ -72,19 +72,17 @@ def _pinned(core: int) -> Any:
 def _side_by_side(modes: tuple[str, str], work: Path, seconds: float, n: int) -> list[dict[str, Any]]:
     """Two modes at once, the first pinned to core 0 and the second to core 1 (with all their threads and child
     processes: the capture's deferred writer shares its loop's core), so that both see the same minutes of the
-    machine."""
-    procs = [
-        subprocess.Popen(
-            _command(mode, work, seconds, n + i), cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, preexec_fn=_pinned(i),
-        )
-        for i, mode in enumerate(modes)
-    ]  # fmt: skip
-    outs = [p.communicate() for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        if p.returncode:
-            raise RuntimeError(f"exit {p.returncode}: {err[-2000:]}")
-    return [_results(mode, outs[i][0], work, n + i, seconds) for i, mode in enumerate(modes)]
+    machine.  Their output goes to files: a pipe read only after the other run ends could fill and stall a loop."""
+    logs = [(work / f"out{n + i}.txt", work / f"err{n + i}.txt") for i in range(len(modes))]
+    procs = []
+    for i, mode in enumerate(modes):
+        with open(logs[i][0], "w") as out, open(logs[i][1], "w") as err:
+            cmd = _command(mode, work, seconds, n + i)
+            procs.append(subprocess.Popen(cmd, cwd=work, stdout=out, stderr=err, text=True, preexec_fn=_pinned(i)))
+    for p, (_, err_path) in zip(procs, logs, strict=True):
+        if p.wait():
+            raise RuntimeError(f"exit {p.returncode}: {err_path.read_text()[-2000:]}")
+    return [_results(mode, logs[i][0].read_text(), work, n + i, seconds) for i, mode in enumerate(modes)]
 
 
 def _pair(text: str) -> tuple[str, str]:
