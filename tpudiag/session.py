@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from tpudiag import environment, forks, internal_errors
+from tpudiag.cadence import settling_interval
 from tpudiag.clock import Clock, SystemClock
 from tpudiag.model import Run
 from tpudiag.plugins import CaptureContext, Collector, DeferredJob
@@ -97,7 +99,8 @@ class _Flusher(threading.Thread):
     def run(self) -> None:
         from tpudiag.longrun import control
 
-        while not self._stop_event.wait(self._interval):
+        started = time.monotonic()
+        while not self._stop_event.wait(settling_interval(self._interval, time.monotonic() - started)):
             with control.background_work():  # the pulse does not judge the script's steps by the GIL it holds
                 for part in self._parts():
                     with contextlib.suppress(Exception):

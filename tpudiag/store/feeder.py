@@ -7,8 +7,9 @@ did, put DuckDB and its buffers into that process: +160 MB of RSS from the first
 10 s.  The feeder does it instead, ``nice`` 10, in its own session, without torch:
 
 - the parent writes the run's first record to ``<run dir>/feeder.json`` and starts the child at the first flush;
-- every ``interval`` seconds the child registers the run (never over a record already there) and loads the parts
-  that are finished (``Store.ingest_spool``: each part at most once, deleted after the commit);
+- every ``interval`` seconds (longer as the run gets older: ``tpudiag.cadence``) the child registers the run (never
+  over a record already there) and loads the parts that are finished (``Store.ingest_spool``: each part at most
+  once, deleted after the commit);
 - it leaves when ``<run dir>/feeder.stop`` appears (the parent waits for it before its own final store write: one
   writer at a time, and loads whatever is left itself, as before), or after one last load when the parent is gone
   (killed: what it had flushed is kept).
@@ -27,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from tpudiag.cadence import settling_interval
 from tpudiag.errors import TpudiagError
 from tpudiag.model import Run
 from tpudiag.processes import lower_priority, make_background, pid_alive
@@ -106,7 +108,7 @@ def main(argv: list[str]) -> int:
     run = Run.from_record(json.loads((run_dir / RUN_FILE).read_text()))
     store = Store(db)
     registered = False
-    next_load = time.monotonic()
+    started = next_load = time.monotonic()
     while not (run_dir / STOP_FILE).exists():
         if not _parent_alive(parent):
             # The capture died (killed?): what its collectors had flushed is loaded once more, nobody else will.
@@ -114,7 +116,8 @@ def main(argv: list[str]) -> int:
             break
         if time.monotonic() >= next_load:
             registered = _load_once(store, run, spool_dir, registered)
-            next_load = time.monotonic() + interval
+            now = time.monotonic()
+            next_load = now + settling_interval(interval, now - started)  # longer as the run gets older
         time.sleep(0.2)
     return 0
 

@@ -1,0 +1,20 @@
+"""How often a running capture's periodic store work runs, as the run gets older (issue 21).
+
+While the script runs, the flusher thread writes the collectors' rows to the spool, and the feeder child loads the
+spool into the store, every ``TPUDIAG_FLUSH_S`` seconds (10 by default): a job seen in the dashboard a few seconds
+after it starts.  Each round has a fixed cost whatever it carries: the feeder opens the store, loads and commits
+(about 0.1 s of CPU on the long-run bench loop's 10 s of parts, 1% of a core), and on a machine whose cores are all
+busy that CPU is the training loop's.  Minutes into a job nobody needs the store to be 10 s behind it, so the wait
+grows with the run's age, one twentieth of it, up to 30 s: every 10 s for the first 200 s, every 30 s from the
+tenth minute on (the feeder's steady share falls to about 0.3%).  A longer ``TPUDIAG_FLUSH_S`` is kept as it is.
+"""
+
+from __future__ import annotations
+
+AGE_SHARE = 0.05  # the wait grows to this share of the run's age ...
+LATEST_S = 30.0  # ... up to this (never under the configured interval)
+
+
+def settling_interval(base_s: float, age_s: float) -> float:
+    """The wait before the next round, ``age_s`` seconds into the run, for a configured interval of ``base_s``."""
+    return max(base_s, min(age_s * AGE_SHARE, LATEST_S))
