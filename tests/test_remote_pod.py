@@ -293,8 +293,10 @@ def test_trace_ranks_one_node_file_bucket(tmp_path: Path) -> None:
         "--trace-ranks", "last", "torchrun", "--nproc-per-node", "2", str(script), env=env, cwd=tmp_path,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
-    run_id = next((bucket / "manifests").iterdir()).name.split("=", 1)[1]
-    assert wait_uploads_at(tmp_path / "s.runs" / run_id) == "done"
+    # The uploader runs on after the capture has returned (a busy machine: the bucket may still be empty here).
+    (run_dir,) = [p for p in (tmp_path / "s.runs").iterdir() if p.is_dir()]
+    assert wait_uploads_at(run_dir) == "done"
+    assert next((bucket / "manifests").iterdir()).name.split("=", 1)[1] == run_dir.name
     rep = tpudiag("report", "--remote", f"file://{bucket}", "--json", env=env, cwd=tmp_path)
     assert rep.returncode == 0, rep.stderr
     ranks = json.loads(rep.stdout)["distributed"]["ranks"]
