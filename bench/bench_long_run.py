@@ -115,7 +115,7 @@ def _results(mode: str, stdout: str, work: Path, n: int, seconds: float) -> dict
                 "SELECT step, round(own_ns / 1e6, 1), round(dur_ns / 1e6, 1) FROM pulse WHERE window_id IS NULL "
                 "ORDER BY own_ns DESC LIMIT 5"
             ).fetchall()
-            spent = _capture_seconds(con, seconds)
+            spent = _capture_seconds(con, seconds, out.get("slow_from"), int(out.get("planted_steps") or 0))
         out.update(
             tpudiag_top_outside_windows=[{"step": s, "own_ms": o, "step_ms": d} for s, o, d in top],
             pulse_steps=pulse.get("steps"),
@@ -134,17 +134,30 @@ def _results(mode: str, stdout: str, work: Path, n: int, seconds: float) -> dict
     return out
 
 
-def _capture_seconds(con: Any, seconds: float) -> dict[str, float | int]:
+def _capture_seconds(con: Any, seconds: float, slow_from: int | None, planted: int) -> dict[str, float | int]:
     """Where the capture's extra time went, in seconds of the loop's ``seconds`` (from its own pulse): the windows'
     steps beyond what as many steps take outside windows (profiler on, every op checked in trigger windows, the
     session's start and stop; the first window apart, since its steps also hold the script's own warm-up), and
     tpudiag's measured own time in steps outside windows (numerics re-checks, readings).  The hooks' frames on every
-    step are in neither (``bench_step_hooks`` measures them)."""
+    step are in neither (``bench_step_hooks`` measures them).
+
+    The planted slow steps (``slow_from`` on, ``planted`` of them) are slow in the plain run too: the windows they
+    open trace mostly them, so their time is kept apart (``planted_in_windows_*``; ``_planted_over_plain`` charges
+    the capture only what they took beyond the plain run's own planted steps)."""
     median_ns = con.execute("SELECT median(dur_ns + gap_ns) FROM pulse WHERE window_id IS NULL").fetchone()[0] or 0
+    lo = slow_from if slow_from is not None else -1
     rows = con.execute(
-        "SELECT window_id = 0, count(*), sum(dur_ns + gap_ns) FROM pulse WHERE window_id IS NOT NULL GROUP BY 1"
+        "SELECT window_id = 0, step >= ? AND step < ?, count(*), sum(dur_ns + gap_ns) FROM pulse "
+        "WHERE window_id IS NOT NULL GROUP BY 1, 2",
+        [lo, lo + planted],
     ).fetchall()
-    extra = {bool(first): ((total or 0) - n * median_ns) / 1e9 for first, n, total in rows}
+    extra: dict[bool, float] = {}
+    planted_steps, planted_ns = 0, 0
+    for first, is_planted, n, total in rows:
+        if is_planted:
+            planted_steps, planted_ns = planted_steps + n, planted_ns + (total or 0)
+        else:
+            extra[bool(first)] = extra.get(bool(first), 0.0) + ((total or 0) - n * median_ns) / 1e9
     own_ns = con.execute("SELECT sum(own_ns) FROM pulse WHERE window_id IS NULL").fetchone()[0] or 0
     figures = {
         "first_window_extra": extra.get(True, 0.0),
@@ -153,8 +166,21 @@ def _capture_seconds(con: Any, seconds: float) -> dict[str, float | int]:
     }
     out: dict[str, float | int] = {f"{k}_s": round(v, 2) for k, v in figures.items()}
     out.update({f"{k}_pct": round(100 * v / seconds, 2) for k, v in figures.items()})
-    out["later_window_steps"] = sum(n for first, n, _ in rows if not first)
+    out["later_window_steps"] = sum(n for first, is_planted, n, _ in rows if not first and not is_planted)
+    out["planted_in_windows_steps"] = planted_steps
+    out["planted_in_windows_s"] = round(planted_ns / 1e9, 3)
     return out
+
+
+def _planted_over_plain(capture: dict[str, Any], plain: dict[str, Any], seconds: float) -> None:
+    """The capture's planted slow steps inside windows, beyond what as many took in the plain run beside it."""
+    spent = capture.get("capture_seconds")
+    if not spent or not plain.get("planted_steps"):
+        return
+    mean_s = plain["planted_s"] / plain["planted_steps"]
+    over = spent["planted_in_windows_s"] - spent["planted_in_windows_steps"] * mean_s
+    spent["planted_in_windows_over_plain_s"] = round(over, 2)
+    spent["planted_in_windows_over_plain_pct"] = round(100 * over / seconds, 2)
 
 
 def _slope(samples: list[list[float]]) -> float | None:
@@ -191,6 +217,7 @@ def main() -> dict[str, object]:
                         results[m].append(run)
                     mode = next(m for m in pair if m != "plain")
                     paired[mode].append(by_mode[mode]["steps"] / by_mode["plain"]["steps"])
+                    _planted_over_plain(by_mode[mode], by_mode["plain"], seconds)
                 continue
             # Each round starts with the next mode: a machine that drifts one way over the rounds favours none.
             for mode in modes[r % 3 :] + modes[: r % 3]:
@@ -199,6 +226,7 @@ def main() -> dict[str, object]:
             plain = results["plain"][-1]["steps"]
             for mode in modes[1:]:
                 paired[mode].append(results[mode][-1]["steps"] / plain)
+                _planted_over_plain(results[mode][-1], results["plain"][-1], seconds)
     results = {m: rs for m, rs in results.items() if rs}
     paired = {m: v for m, v in paired.items() if v}
     if "capture" not in results:

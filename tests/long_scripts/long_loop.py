@@ -9,7 +9,7 @@
 --fault-at-step: from step N on, aten::tanh is wrong by 3e-3 in float32 (the float64 oracle stays exact); the
 kernel is registered at the start (exact until step N).
 Prints one JSON line at the end: steps done, peak and current RSS (KB) at a third of the run and at the end, current
-RSS once a second, the slowest step, and the steps where the planted anomalies began.
+RSS once a second, the slowest step, the steps where the planted anomalies began, and the planted slow steps' time.
 """
 
 import argparse
@@ -94,6 +94,7 @@ last_now = None
 next_sample = 0.0
 recompiled = False
 slow_from = recompile_step = api_triggered = None
+planted_s = 0.0  # the planted slow steps' own time (the plain run's is what a window of them costs anyway)
 while True:
     now = time.perf_counter() - t0
     if now >= args.seconds:
@@ -131,9 +132,11 @@ while True:
         recompiled = True
         recompile_step = step
     static(torch.ones(shape))
-    longest = max(longest, time.perf_counter() - s0)
+    took = time.perf_counter() - s0
+    longest = max(longest, took)
     if slow_left:
         slow_left -= 1
+        planted_s += took
     if prof is not None:
         prof.step()
     if step == 0 and args.ready:
@@ -149,4 +152,5 @@ result.update(rss_samples=rss_samples, second_half_steps=step - (half_step or 0)
 periods.sort()
 result.update(median_period_ms=round(periods[len(periods) // 2] * 1e3, 4) if periods else None)
 result.update(slow_from=slow_from, recompile_step=recompile_step, api_triggered=api_triggered)
+result.update(planted_steps=30 if slow_from is not None else 0, planted_s=round(planted_s, 4))
 print(json.dumps(result))
