@@ -94,7 +94,7 @@ last_now = None
 next_sample = 0.0
 recompiled = False
 slow_from = recompile_step = api_triggered = None
-planted_s = 0.0  # the planted slow steps' own time (the plain run's is what a window of them costs anyway)
+planted_steps, planted_s = 0, 0.0  # the planted slow steps run, and their time (what the plain run pays too)
 while True:
     now = time.perf_counter() - t0
     if now >= args.seconds:
@@ -136,6 +136,7 @@ while True:
     longest = max(longest, took)
     if slow_left:
         slow_left -= 1
+        planted_steps += 1
         planted_s += took
     if prof is not None:
         prof.step()
@@ -152,5 +153,5 @@ result.update(rss_samples=rss_samples, second_half_steps=step - (half_step or 0)
 periods.sort()
 result.update(median_period_ms=round(periods[len(periods) // 2] * 1e3, 4) if periods else None)
 result.update(slow_from=slow_from, recompile_step=recompile_step, api_triggered=api_triggered)
-result.update(planted_steps=30 if slow_from is not None else 0, planted_s=round(planted_s, 4))
+result.update(planted_steps=planted_steps, planted_s=round(planted_s, 4))
 print(json.dumps(result))
