@@ -137,6 +137,7 @@ class MemoryCollector:
         self._live: int | None = None  # live bytes of the last sample (the growth watch's figure)
         self._stride = Stride()  # one sample a step, thinned on fast steps (tpudiag.longrun.stride)
         self._read_at = -math.inf  # the clock from which the stride's next reading is due
+        self._monotonic_offset = time.monotonic() - time.perf_counter_ns() * 1e-9  # (steady steps' clock)
 
     # -- plugin protocol --------------------------------------------------------------------------------------
     def is_available(self) -> bool:
@@ -153,7 +154,7 @@ class MemoryCollector:
 
         self._ctx = ctx
         self._sampler = MemorySampler()
-        self._hooks.append(step_points.add(self._after_step, step_points.READ, "memory", by_root=True))
+        self._hooks.append(step_points.add(self._after_step, step_points.READ, "memory", by_root=True, steady=self))
         self._remove_listener = runner.add_failure_listener(self._on_failure)
         if ctx.options.get("memory_dispatch"):
             from tpudiag.collectors.memory_dispatch import LiveBytes
@@ -278,6 +279,38 @@ class MemoryCollector:
         except Exception as err:  # never into the user's optimizer step
             internal_errors.current().record("memory", "sample a step", err)
         self._steps += 1
+
+    # -- steady steps (collectors/steady_steps.py) ------------------------------------------------------------
+    def horizon(self, gate: Any) -> None:
+        """The steps ``_after_step`` would take no reading on: until the stride's next reading, past its first
+        steps, without dispatch counting.  (The growth watch's steps are taken in ``absorb``.)"""
+        if self._dispatch is not None or self._steps < self._stride.first_steps:
+            gate.shut()
+            return
+        gate.limit(1 << 30, (self._read_at - self._monotonic_offset) * 1e9)
+
+    def absorb(self, starts: list[int], ends: list[int]) -> None:
+        """Steady steps: ``_after_step`` without a reading, step by step (the growth watch sees the held reading;
+        a span it closes asks for its window now, on the steady steps' last step at the latest)."""
+        window_open = control.STATE.window_open
+        for _ in ends:
+            step = self._steps
+            live = self._live
+            if live is not None and step >= triggers.WARMUP_STEPS:
+                growth = self._growth
+                if growth.quiet and live == growth.held and not window_open:
+                    growth.quiet -= 1
+                    growth.pending += 1
+                else:
+                    if growth.seen + growth.pending == 0:
+                        self._span_from = step
+                    low = growth.see(live, in_window=window_open)
+                    if low is not None and growth.floor:
+                        self._ask_for_window(low, step)
+            self._steps = step + 1
+
+    def resume(self, start: int) -> None:
+        return None
 
     def _read(self, step: int, now: float) -> None:
         """The step's reading, if the stride says it is due (``tpudiag.longrun.stride``)."""

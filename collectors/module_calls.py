@@ -39,17 +39,23 @@ keep the wrapper on ``nn.Module`` (a compiled root's nested calls are compiled c
 Dynamo never sees the class wrappers either: a compile's start takes them off with the ``nn.Module`` one, and they
 guard nothing (no recompile when they come or go, tested).  In class mode the wrapper hands a call to whatever
 ``nn.Module.__call__`` is then (torch's, or a tracer's own patch such as ``torch.fx``'s), never past it.
+
+Steady steps (``collectors/steady_steps.py``): the root call that begins a steady step (the same root module as
+the last full step's, on the main thread, with inputs of the same shapes and dtypes) only appends its start and
+enters no listener; any other root call first hands the steady steps so far to the collectors (``settle``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from tpudiag import forks, internal_errors
+from tpudiag.collectors import steady_steps
 
 
 class _CompilingFlag:
@@ -162,6 +168,42 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return original(self, *args, **kwargs)
     local = _local
     depth = getattr(local, "depth", 0)
+    gate = _gate
+    if not depth and (gate.ready or gate.begun or gate.starts):
+        # A steady step's root call (``collectors/steady_steps.py``): its start taken, no listener entered.  Another
+        # call of the same root with the same inputs inside a steady step (gradient accumulation's micro-batches)
+        # is steady too while the step is younger than the shortest step a root call may end (``root_steps``).
+        if (
+            gate.left
+            and _roots_only
+            and id(self) == gate.module_id
+            and type(self) is gate.cls
+            and _get_ident() == _main_ident
+        ):
+            try:  # (an input whose shape raises, a nested tensor's: never into the script's call)
+                key = (
+                    (args[0].shape, args[0].dtype)
+                    if not kwargs and len(args) == 1 and type(args[0]) is _Tensor
+                    else steady_steps.key(args, kwargs)
+                )
+            except Exception:
+                key = None
+            now = _perf_counter_ns()
+            if key == gate.key and (gate.ready or (gate.begun and now - gate.starts[-1] < gate.long_ns)):
+                if gate.ready:
+                    gate.starts.append(now)
+                    gate.ready = False
+                    gate.begun = True
+                local.depth = 1
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    local.depth = 0
+        if _get_ident() == _main_ident:
+            # A root call the listeners take: the next steady step waits for a step's end, and the listeners find
+            # the collectors as the steady steps left them.
+            gate.ready = False
+            steady_steps.settle()
     if not depth and type(self) not in _root_classes:
         _note_root(type(self))
     # Listeners are entered in ``_enter_all`` only, never from this frame: Dynamo skips that function and all it
@@ -218,6 +260,11 @@ def _exit_all(
 
 
 _torch_call: Callable[..., Any] = torch.nn.Module.__call__
+_gate = steady_steps.gate
+_Tensor = torch.Tensor
+_get_ident = threading.get_ident
+_main_ident = threading.main_thread().ident
+_perf_counter_ns = time.perf_counter_ns
 _current_autograd_node = torch._C._current_autograd_node  # not None inside a backward
 
 
@@ -421,7 +468,8 @@ def _mark_for_dynamo() -> None:
         # Every function the wrapper calls but the module's own ``__call__``: in a compiled function's graph-break
         # gap Dynamo's frame callback is live, and a frame of ours it caught would be compiled (a different set of
         # graphs) or, compiled under ``_lock`` (``_note_root``), would deadlock on the compile-start callback.
-        for fn in (_enter_all, _exit_all, _note_root, _on_compile_start, _on_compile_end):
+        for fn in (_enter_all, _exit_all, _note_root, _on_compile_start, _on_compile_end, steady_steps.settle,
+                   steady_steps.key):  # fmt: skip
             _skip_frame(fn.__code__, with_callees=True)
         if isinstance(compiling, _CompilingFlag):
             _skip_frame(_CompilingFlag.__dict__["_is_compiling_flag"].fget.__code__, with_callees=True)

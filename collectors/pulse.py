@@ -10,11 +10,14 @@ precomputed threshold (the rolling median's, updated every 16 steps), one tuple 
 50 ms one small device op (``tpudiag.longrun.stride``: every step of the first window's steps and of steps of 50 ms
 or more).  Non-finiteness is read without a sync (and not inside trace windows, whose traces hold the script's ops
 only): a checked step sums the gradient of its smallest parameter on the device (every ``FULL_EVERY`` checks: the
-norms of all gradients), below every dispatch mode, and the result is read at the *next* step's end, when it is
-long done: on the CPU reading is free, on CUDA only once its event has completed, on other devices (TPU) never
+norms of all gradients), below every dispatch mode, and the result is read at the *next* step's end (or, after
+steady steps, at the next full one: ``collectors/steady_steps.py``), when it is long done: on the CPU reading is free, on CUDA only once its event has completed, on other devices (TPU) never
 during the run (the figure reads None: an ``.item()`` would change the program).  A NaN in any gradient reaches
 every parameter through the update, so the one small gradient sees it at the next check; the periodic full check
 covers the rest.
+
+Most steps of a long run are steady (``collectors/steady_steps.py``): their root call and their end only take a
+timestamp, and ``absorb`` turns a batch of them into the records ``step_end``'s quiet path would have made.
 
 Records are raw tuples of clocks (the step's start, its end, the previous step's end, tpudiag's own time), handed
 every few seconds to a writer thread that turns them into rows and spools them: memory does not grow with the run,
@@ -125,7 +128,8 @@ class PulseRecorder:
         self._compiles = control.compile_counts()
         self._checker_s = control.checker_seconds()  # the numerics checker's own seconds at the last step's end
         self._background_ns = control.background_ns()  # tpudiag's background threads' work, likewise
-        self._check: Any = None  # (tensor, event or None) of the last step's gradient check
+        self._check: Any = None  # (tensor, event or None) of the last gradient check, not read yet
+        self._check_step = 0  # the step it checked (read at the next full step: collectors/steady_steps.py)
         self._small: dict[int, Any] = {}  # optimizer id -> the parameter whose gradient is summed every step
         # Records as the training thread leaves them (``step_end``), and what is rare beside them, by step.
         self._batch: list[tuple[Any, ...]] = []
@@ -251,17 +255,79 @@ class PulseRecorder:
         self._own = time.perf_counter_ns() - end
         return fired
 
+    # -- steady steps (collectors/steady_steps.py) ------------------------------------------------------------
+    def horizon(self, gate: Any) -> None:
+        """After a full step end: the steps ``step_end`` would end on its quiet path (nothing to read, fire, hand
+        off or plan), and until when; the slow-step threshold and the compile count the fast path compares."""
+        plan, poller, prev = self.plan, self.poller, self._prev_end
+        quiet = plan._quiet if plan is not None else None
+        if (
+            quiet is None
+            or poller is None
+            or prev is None
+            or self.window_id is not None
+            or self.roots.by_root
+            or plan.close_next
+            or plan.next is not None
+            or plan.open is not None
+            or probes.pulling
+            or probes.published
+            or control.STATE.pending
+        ):
+            gate.shut()
+            return
+        to_ns = 1e9
+        offset = self._monotonic_offset
+        # (``_due``'s step count, the rolling median's refresh, waits for the next full step; its clocks do not)
+        until = min(self._due_ns, (poller.next_s - offset) * to_ns)
+        steps = 1 << 30
+        # The schedule is due once the step reaches ``quiet[0]`` and the clock ``quiet[1]``: before either, quiet.
+        now_s = prev * 1e-9 + offset
+        if quiet[1] > now_s:
+            until = min(until, (quiet[1] - offset) * to_ns)
+        elif quiet[0] - 1 - self.step < steps:
+            steps = int(quiet[0] - 1 - self.step)
+        gate.limit(steps, until)
+        gate.slow_ns = self._slow_ns
+        gate.last_end = prev
+        gate.compiles = self._compiles[0]
+
+    def absorb(self, starts: list[int], ends: list[int]) -> None:
+        """Steady steps: the records and the periods ``step_end``'s quiet path would have kept (their own time,
+        the few us of the fast path's checks, left out).  The checker's and the background threads' time since the
+        last full step stays to be taken out of the next full step's period (none of these steps was judged slow)."""
+        prev = self._prev_end
+        step, own, shapes = self.step, self._own, self._shapes
+        append, recent = self._batch.append, self._recent_append
+        for start, end in zip(starts, ends, strict=True):
+            append((step, start, end, prev, own, shapes, None, None))
+            recent((end - prev) * 1e-9 if prev is not None else 0.0)
+            own = 0
+            prev = end
+            step += 1
+        self.step, self._prev_end, self._own = step, prev, 0
+        self.started_ns = None
+        self.ended = True
+
+    def resume(self, start: int) -> None:
+        """A steady step's root call began at ``start``: the step in progress, as ``step_begin`` leaves it (its
+        inputs are the last full step's)."""
+        self.started_ns = start
+        self.ended = False
+
     # -- the rare parts of a step's end -----------------------------------------------------------------------
     def _read_previous(self, step: int) -> list[tuple[str, str]] | tuple[()]:
-        """The last step's gradient check, read now (``_read_check``): its record's non-finite figure."""
+        """The last gradient check, read now (``_read_check``; a step late, or at the first full step after the
+        steady ones that followed it): its record's non-finite figure."""
         nonfinite = self._read_check()
-        if nonfinite is None or step == 0:
+        if nonfinite is None:
             return NOTHING
-        self._nonfinite[step - 1] = nonfinite
+        checked = self._check_step
+        self._nonfinite[checked] = nonfinite
         if not nonfinite:
             return NOTHING
         self.nonfinite_steps += 1
-        return [("nonfinite", f"a non-finite gradient at step {step - 1}")]
+        return [("nonfinite", f"a non-finite gradient at step {checked}")]
 
     def _compile_events(self, step: int, fired: list[tuple[str, str]] | tuple[()]) -> list[tuple[str, str]]:
         c0, r0, g0 = self._compiles
@@ -298,6 +364,7 @@ class PulseRecorder:
         first = step < self._stride.first_steps
         if first or end >= self._next_check_ns:
             self._next_check_ns = end + self._check_every_ns
+            self._check_step = step
             self._start_check(optimizer)
         if step >= self._due_step:
             self._due_step = step + (1 if first else MEDIAN_EVERY)
@@ -456,7 +523,7 @@ class PulseRecorder:
         if self._check is not None and self.step:
             nonfinite = self._read_check(final=True)
             if nonfinite is not None:
-                self._nonfinite[self.step - 1] = nonfinite
+                self._nonfinite[self._check_step] = nonfinite
                 if nonfinite:
                     self.nonfinite_steps += 1
         self._hand_off(final=True)

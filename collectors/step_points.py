@@ -22,17 +22,23 @@ root-forward steps) with None for the optimizer.  ``main_thread_only`` callbacks
 another thread.  One that raises is recorded in ``tpudiag.internal_errors`` and the others still run.  While Dynamo
 traces a compiled optimizer step the hook returns at once, before reading any tpudiag state (and Dynamo skips its
 frame and all it calls): the hook dict it guards on holds the same single hook for the whole capture.
+
+Steady steps (``collectors/steady_steps.py``): while every callback's part says its quiet path would run, the
+leading optimizer's step end only appends a timestamp; the first full step end after them hands them to the parts
+(``settle``) before the callbacks run, and then asks the parts for the next horizon (``reopen``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tpudiag import forks, internal_errors
-from tpudiag.collectors import module_calls
+from tpudiag.collectors import module_calls, steady_steps
+from tpudiag.longrun import control
 
 READ = 0
 PULSE = 10
@@ -43,7 +49,8 @@ Callback = Callable[[Any], None]
 _lock = threading.Lock()
 _callbacks: tuple[tuple[Callback, bool, str], ...] = ()  # (callback, main_thread_only, name), in order
 _by_root: tuple[tuple[Callback, str], ...] = ()  # the callbacks added with ``by_root``, in the same order
-_entries: list[tuple[int, int, Callback, bool, str, bool]] = []  # (order, serial, ..., by_root): their source
+# (order, serial, callback, main_thread_only, name, by_root, steady part): their source
+_entries: list[tuple[int, int, Callback, bool, str, bool, steady_steps.Part | None]] = []
 _serial = 0
 _hook: Any = None  # torch's handle of the one registered hook
 _forget_child: forks.ChildHook | None = None  # ``_let_go_in_child`` registered with ``tpudiag.forks``
@@ -57,14 +64,21 @@ _inside: set[int] = set()  # ids of the other optimizers that stepped since the 
 # A bound on them: a script that makes a new optimizer every step and keeps the old ones alive (ids never repeat)
 # would otherwise never end a step (and never close a trace window); it gets a step per MAX_INSIDE + 1 of its steps.
 MAX_INSIDE = 16
+_gate = steady_steps.gate
+_STATE = control.STATE
+_get_ident = threading.get_ident
+_perf_counter_ns = time.perf_counter_ns
 
 
 def _reorder() -> None:
     """``_callbacks`` and ``_by_root`` from ``_entries``: by order, then as added (under ``_lock``)."""
     global _callbacks, _by_root
     ordered = sorted(_entries, key=lambda e: (e[0], e[1]))
-    _callbacks = tuple((fn, main, name) for _, _, fn, main, name, _root in ordered)
-    _by_root = tuple((fn, name) for _, _, fn, _main, name, root in ordered if root)
+    _callbacks = tuple((fn, main, name) for _, _, fn, main, name, _root, _part in ordered)
+    _by_root = tuple((fn, name) for _, _, fn, _main, name, root, _part in ordered if root)
+    # Steady steps only while every callback has a part that says when its quiet path would run.
+    parts = tuple(e[6] for e in ordered)
+    steady_steps.set_parts(tuple(p for p in parts if p is not None) if None not in parts else ())
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class StepEndHandle:
 
     def remove(self) -> None:
         global _hook, _forget_child, _leader
+        steady_steps.close()  # every collector takes the steady steps before the first of them stops
         with _lock:
             _entries[:] = [e for e in _entries if e[1] != self.serial]
             _reorder()
@@ -87,11 +102,18 @@ class StepEndHandle:
 
 
 def add(
-    callback: Callback, order: int, name: str, main_thread_only: bool = True, by_root: bool = False
+    callback: Callback,
+    order: int,
+    name: str,
+    main_thread_only: bool = True,
+    by_root: bool = False,
+    steady: steady_steps.Part | None = None,
 ) -> StepEndHandle:
     """Call ``callback(optimizer)`` at the end of every optimizer step, after the callbacks of lower ``order`` (and
     of the same order added before it); with ``by_root``, also ``callback(None)`` at every step end of a script
-    without an optimizer step (``end_without_optimizer``)."""
+    without an optimizer step (``end_without_optimizer``).  ``steady``: what says when the callback would take its
+    quiet path and takes steady steps in batches (``collectors/steady_steps.py``); while a callback has none,
+    every step is full."""
     global _hook, _serial, _forget_child
     with _lock:
         if _hook is None:
@@ -100,7 +122,7 @@ def add(
             _hook = register_optimizer_step_post_hook(module_calls.skip_in_dynamo(_on_step_end))
             _forget_child = forks.on_child("step hooks", _let_go_in_child)
         _serial += 1
-        _entries.append((order, _serial, callback, main_thread_only, name, by_root))
+        _entries.append((order, _serial, callback, main_thread_only, name, by_root, steady))
         _reorder()
         return StepEndHandle(_serial)
 
@@ -108,14 +130,36 @@ def add(
 def _on_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
     if module_calls.compiling._is_compiling_flag:  # ``torch.compiler.is_compiling()``, without its frames
         return
-    main = threading.get_ident() == _main_ident
+    gate = _gate
+    if gate.begun and gate.left and id(optimizer) == _leader and _get_ident() == _main_ident:
+        # A steady step's end (``collectors/steady_steps.py``): its end taken, no callback called.
+        end = _perf_counter_ns()
+        state = _STATE
+        if (
+            end < gate.until_ns
+            and end - gate.last_end <= gate.slow_ns
+            and state.compiles == gate.compiles
+            and not state.pending
+        ):
+            if _inside:
+                _inside.clear()
+            gate.ends.append(end)
+            gate.last_end = end
+            gate.begun = False
+            gate.ready = True
+            gate.left -= 1
+            gate.steady += 1
+            return
+    main = _get_ident() == _main_ident
     if not main:
-        pass  # (another thread's optimizer never leads: the main thread's steps would end nowhere)
+        gate.shut()  # (another thread's optimizer never leads: the main thread's steps would end nowhere)
     elif id(optimizer) == _leader:
         if _inside:
             _inside.clear()
     elif not _leads(id(optimizer)):
         return  # another optimizer's step, inside the step
+    if main and gate.starts:
+        steady_steps.settle()
     for callback, main_only, name in _callbacks:
         if main_only and not main:
             continue
@@ -123,12 +167,15 @@ def _on_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
             callback(optimizer)
         except Exception as err:  # never into the user's optimizer step
             internal_errors.current().record("step hooks", name, err)
+    if main:
+        steady_steps.reopen()
 
 
 def _let_go_in_child() -> None:
     """In a child forked from the capture (``tpudiag.forks``): the hook off, no callback (no lock taken)."""
     global _lock, _hook, _callbacks, _by_root
     _lock = threading.Lock()
+    steady_steps.let_go_in_child()
     hook, _hook = _hook, None
     _entries.clear()
     _callbacks, _by_root = (), ()
@@ -153,6 +200,7 @@ def _leads(key: int) -> bool:
 def end_without_optimizer() -> None:
     """A step's end in a script without an optimizer step (``collectors/root_steps.py``, on the main thread, never
     while Dynamo traces): the ``by_root`` callbacks, with None for the optimizer."""
+    steady_steps.close()  # (no steady step without an optimizer step: any held go to the collectors first)
     for callback, name in _by_root:
         try:
             callback(None)

@@ -122,6 +122,7 @@ class TraceCollector(LongRunMixin):
         profiling_here = torch._C._autograd._profiler_enabled  # this thread's profiler state (thread-local)
         root_inputs = self._root_inputs
         get_ident, main_ident = threading.get_ident, self._main_ident
+        from tpudiag.collectors.steady_steps import began_full
 
         def on_enter(path: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_root: bool) -> Any:
             if is_root:
@@ -156,6 +157,7 @@ class TraceCollector(LongRunMixin):
                     roots = pulse.roots  # ``roots.began(id(module))``, without its frame (every step)
                     roots.step_root = roots.last_root = id(module)
                     pulse.step_begin(args, kwargs)
+                    began_full(module, args, kwargs)  # what the next steady steps' root calls must repeat
                 if is_root and self._prof is not None:
                     root_inputs.append(input_shapes(args, kwargs))
             if self._prof is None or not profiling_here():
@@ -178,7 +180,9 @@ class TraceCollector(LongRunMixin):
 
             self._end_by_root = step_points.end_without_optimizer
             on_step_end = self._pulse.step_end if self._pulse is not None else self._after_optimizer_step
-            self._hooks.append(step_points.add(on_step_end, step_points.PULSE, "trace", by_root=True))
+            self._hooks.append(
+                step_points.add(on_step_end, step_points.PULSE, "trace", by_root=True, steady=self._pulse)
+            )
             self._patch_user_sessions()
             from tpudiag.collectors import tpu_profiler
 

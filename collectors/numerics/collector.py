@@ -127,7 +127,11 @@ class NumericsCollector(StepBoundaries, RunSummary):
             from tpudiag.collectors import step_points
 
             # After the trace collector's window plan: a trigger window's first step is watched already.
-            self._step_hook = step_points.add(self._step_end, step_points.FOLLOW, "numerics", main_thread_only=False)
+            from tpudiag.collectors.numerics.steps import SteadyNumerics
+
+            self._step_hook = step_points.add(
+                self._step_end, step_points.FOLLOW, "numerics", main_thread_only=False, steady=SteadyNumerics(self)
+            )
             self._steps.t0 = time.perf_counter()
             self._steps.spent0 = self._mode.budget.spent()
             control.set_checker_budget(self._mode.budget)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tpudiag import internal_errors
-from tpudiag.collectors import module_calls
+from tpudiag.collectors import module_calls, steady_steps
 from tpudiag.collectors.numerics.sampling import CHECK_STEP_S
 from tpudiag.longrun import control, heap
 from tpudiag.longrun.schedule import FIRST_STEPS
@@ -126,6 +126,7 @@ class StepBoundaries:
         if not st.watching and len(self._root_inputs) > 1:
             st.rewatch = True
             st.rewatches += 1
+            steady_steps.gate.shut()  # (another thread's call: the main thread's next step end is a full one)
 
     def _step_end(self, optimizer: Any = None) -> None:
         """A step's end: ``step_points``' callback at an optimizer step's (never while Dynamo traces a compiled
@@ -363,6 +364,66 @@ class ModuleBoundaries:
         return module_calls.NO_EXIT  # nothing to do on exit: not called
 
     def exit(self, module: Any, token: Any, output: Any, failed: bool) -> None:
+        return None
+
+
+class SteadyNumerics:
+    """The numerics collector's part in steady steps (``collectors/steady_steps.py``): the steps its
+    ``_step_end`` would end on the quiet path (not watched, nothing to settle, the next re-check step not reached),
+    and those steps taken in one pass."""
+
+    def __init__(self, collector: NumericsCollector) -> None:
+        self._collector = collector
+
+    def horizon(self, gate: Any) -> None:
+        c = self._collector
+        mode: Any = c._mode
+        st = c._steps
+        sch = st.schedule
+        if (
+            mode is None or not mode.active or c._module_hook_on or c._entered or st.watching or st.rewatch
+            or st.unmeasured or st.plain_s is None or mode.spent_calls or sch.watch_all or not sch.steady
+            or control.STATE.numerics_wanted or st.step + 1 < sch.warmup
+        ):  # fmt: skip
+            gate.shut()
+            return
+        gate.limit((-(st.step + 1)) % sch.every, float("inf"))  # up to the next re-check step (``step % every``)
+
+    def absorb(self, starts: list[int], ends: list[int]) -> None:
+        """``_step_end``'s quiet path for each step: counted, its plain time learnt, the schedule moved on."""
+        c = self._collector
+        n = len(ends)
+        c._opt_steps += n
+        mode: Any = c._mode
+        if mode is None:
+            return
+        st = c._steps
+        prev = st.t0
+        fastest = st.plain_s
+        for end in ends:
+            took = end * 1e-9 - prev
+            if fastest is None or took < fastest:
+                fastest = took
+            prev = end * 1e-9
+        st.plain_s = fastest
+        quiet = n
+        if st.reason != "steady_state":  # the first step after one the budget refused: as ``_step_end`` does
+            self._collector._replay(st.reason)
+            st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
+            st.reason = "steady_state"
+            quiet -= 1
+        if quiet:
+            if not st.quiet_steps:
+                st.quiet_seq = mode.seq
+            st.quiet_steps += quiet
+        if mode.step_calls:
+            mode.step_calls = {}
+        st.step += n
+        capped = st.schedule.settled and st.step >= FIRST_STEPS and mode.sampler.options.mode != "all"
+        mode.sampler.check_until = prev + CHECK_STEP_S if capped else None
+        st.t0 = prev
+
+    def resume(self, start: int) -> None:
         return None
 
 

@@ -1,0 +1,149 @@
+"""Steady steps (collectors/steady_steps.py, issue 21): most steps of a long loop take two timestamps, and the
+collectors take them in batches.  A capture with them and one without must record the same run: every step in the
+pulse with its own clocks and inputs, every op call counted once by the numerics collector, the memory readings,
+and each trigger's window opened at the same step."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+import torch
+from torch import nn
+
+import tpudiag
+from tpudiag.collectors import steady_steps
+
+S = 1_000_000_000
+SLOW, TRIGGER, SHAPE, RECOMPILE = 300, 420, 520, 640
+STEPS = 760
+
+
+def _mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(7):
+        layers += [nn.Linear(64, 64), nn.Tanh()]
+    model = nn.Sequential(*layers)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _planted_loop(db: Path) -> int:
+    """A training loop with a slow step, a manual trigger, ten steps of other input shapes and a recompile, each
+    long after warm-up; the steady steps it took."""
+    torch._dynamo.reset()  # (the lambda's code is the same in every call: its compiled entries would be reused)
+    model, opt = _mlp()
+    x, small = torch.randn(32, 64), torch.randn(16, 64)
+    static = torch.compile(lambda t: t * 2 + 1, backend="eager", dynamic=False)
+    ones, other = torch.ones(32, 4), torch.ones(8, 4)
+    before = steady_steps.gate.steady
+    with tpudiag.capture(db=db, name="steady"):
+        for i in range(STEPS):
+            if i == SLOW:
+                time.sleep(0.3)
+            if i == TRIGGER:
+                assert tpudiag.trigger(steps=2)
+            opt.zero_grad()
+            model(small if SHAPE <= i < SHAPE + 10 else x).square().mean().backward()
+            static(other if i == RECOMPILE else ones)
+            opt.step()
+    return steady_steps.gate.steady - before
+
+
+def _read(db: Path) -> dict[str, Any]:
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        pulse = con.execute("SELECT step, start_ns, dur_ns, gap_ns, shapes FROM pulse ORDER BY step").fetchall()
+        windows = con.execute("SELECT reason, first_step, last_step FROM trace_windows ORDER BY window_id").fetchall()
+        addmm = con.execute("SELECT sum(calls) FROM ops WHERE op = 'aten::addmm' AND phase = 'forward'").fetchone()
+        memory = dict(con.execute("SELECT step, rss_bytes FROM memory_steps").fetchall())
+        figures = con.execute("SELECT step, figures FROM pulse WHERE figures IS NOT NULL").fetchall()
+    finally:
+        con.close()
+    read = {step: json.loads(f)["memory.rss_bytes"] for step, f in figures}
+    return {"pulse": pulse, "windows": windows, "addmm": addmm[0] if addmm else None, "memory": memory, "read": read}
+
+
+def _check_run(run: dict[str, Any]) -> None:
+    pulse = run["pulse"]
+    assert [r[0] for r in pulse] == list(range(STEPS))
+    starts = [r[1] for r in pulse]
+    assert all(b > a for a, b in itertools.pairwise(starts)), "each step starts after the last"
+    assert all(r[2] > 0 for r in pulse) and all(r[3] is not None and r[3] >= 0 for r in pulse[1:])
+    shapes = {r[0]: r[4] for r in pulse}
+    assert {shapes[s] for s in range(SHAPE, SHAPE + 10)} == {"[[16, 64]]"}
+    assert shapes[SHAPE - 1] == shapes[SHAPE + 10] == shapes[STEPS - 1] == "[[32, 64]]"
+    assert pulse[SLOW][2] + pulse[SLOW][3] >= 0.3 * S  # the planted sleep is in the slow step's period
+    windows = run["windows"]
+    assert ("slow_step", SLOW + 1) in {(r[0], r[1]) for r in windows}, windows
+    assert ("manual", TRIGGER + 1, TRIGGER + 2) in windows, windows
+    assert ("recompile", RECOMPILE + 1) in {(r[0], r[1]) for r in windows}, windows
+    # Every call of the model's seven linear layers counted once, checked or not (steady steps included).
+    assert run["addmm"] == 7 * STEPS
+    # The memory collector's readings, each at its step: the same step as the pulse record that carries it.
+    read = {step: rss for step, rss in run["read"].items() if step >= 20}
+    assert len(read) >= 5, read
+    assert read == {step: run["memory"].get(step) for step in read}
+
+
+def test_steady_steps_record_the_run_a_capture_without_them_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TPUDIAG_SLOW_FACTOR", "40")  # (a loaded machine's jitter opens no window of its own)
+    steady = _planted_loop(tmp_path / "steady.duckdb")
+    with_gate = _read(tmp_path / "steady.duckdb")
+    monkeypatch.setattr(steady_steps, "_enabled", False)
+    none = _planted_loop(tmp_path / "full.duckdb")
+    without = _read(tmp_path / "full.duckdb")
+    assert none == 0
+    assert steady >= STEPS // 3, steady  # most steps between the first window and the planted ones
+    _check_run(with_gate)
+    _check_run(without)
+    planted = {SLOW + 1, TRIGGER + 1, RECOMPILE + 1}
+    assert [w for w in with_gate["windows"] if w[1] in planted] == [w for w in without["windows"] if w[1] in planted]
+
+
+def test_gradient_accumulation_steps_start_at_their_first_micro_batch(tmp_path: Path) -> None:
+    """Two forwards a step, 3 ms apart: each step starts at its first micro-batch's call (a steady step's second
+    call of the same root is inside the step), and the optimizer's steps are the pulse's."""
+    model, opt = _mlp()
+    x = torch.randn(32, 64)
+    db = tmp_path / "accumulate.duckdb"
+    before = steady_steps.gate.steady
+    with tpudiag.capture(db=db, name="accumulate"):
+        for _ in range(300):
+            model(x).square().mean().backward()
+            time.sleep(0.003)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    steady = steady_steps.gate.steady - before
+    run = _read(db)
+    assert [r[0] for r in run["pulse"]] == list(range(300))
+    assert steady >= 100, steady
+    short = [r[0] for r in run["pulse"][1:] if r[2] < 0.003 * S]
+    assert not short, f"steps that started at their second micro-batch: {short[:10]}"
+
+
+def test_a_step_with_other_inputs_or_another_module_is_never_steady() -> None:
+    x = torch.randn(4, 3)
+    key = steady_steps.key
+    assert key((x,), {}) == key((torch.zeros(4, 3),), {})
+    assert key((x,), {}) != key((torch.zeros(5, 3),), {})
+    assert key((x,), {}) != key((x.double(),), {})
+    assert key((x, x), {}) != key((x,), {"other": x})
+    assert key((x,), {"mask": x, "use_cache": False}) == key((x,), {"mask": x, "use_cache": True})  # (not inputs)
+    assert key((x,), {"mask": x}) != key((x,), {"labels": x})
+    assert key(([x, x],), {}) is None and key((x,), {"past": {"k": x}}) is None  # nested: never steady
+    gate = steady_steps.Gate()
+    gate.left, gate.until_ns = 10, 100
+    gate.limit(4, 50)
+    gate.limit(7, 80)
+    assert (gate.left, gate.until_ns) == (4, 50)
+    gate.shut()
+    assert gate.left == 0
