@@ -7,8 +7,10 @@ percent.  Here one process runs the long-run bench's step (7-layer MLP, AdamW, a
 them taken out, for ``BLOCKS`` blocks.  Out means as without tpudiag: torch's global optimizer post-hooks emptied,
 and the ``module_calls`` wrapper itself taken off (``nn.Module.__call__`` torch's own again, or the root classes'
 wrappers removed in its class mode), so its frames on module calls are counted in the hooks' cost.  Each block gives
-the median main-thread CPU time of its steps; blocks with a trace window open are left out (windows are the
-whole-run benchmark's business).  Neighbouring blocks see the same machine, so the median over neighbouring pairs
+the mean main-thread CPU time of its steps (the mean, not the median: most steps of a block are steady, and the
+few full steps among them, where the collectors take the steady ones in a batch, are part of the cost: see
+``collectors/steady_steps.py``); blocks with a trace window open are left out (windows are the whole-run
+benchmark's business).  Neighbouring blocks see the same machine, so the median over neighbouring pairs
 of the on-block minus the off-block is the hooks' cost per step, and its share of the off median is the figure to
 hold to the issue's 1%.
 
@@ -73,7 +75,7 @@ def _round(db: Path, collect: str | None = None, serving: bool = False) -> dict[
     with tpudiag.capture(db=db, name="step-hooks", collect=collect):
         for _ in range(WARM_STEPS):
             step()
-        on_median: float | None = None
+        on_mean: float | None = None
         for block in range(BLOCKS):
             hooked = block % 2 == 0
             if not hooked:  # taken out for this block only, and put back as they were
@@ -88,12 +90,12 @@ def _round(db: Path, collect: str | None = None, serving: bool = False) -> dict[
             if not hooked:
                 hooks.update(saved)
                 _put_back(module_calls, wrapped)
-            median = statistics.median(times[2:]) if not torch._C._autograd._profiler_enabled() else None
+            mean = statistics.fmean(times[2:]) if not torch._C._autograd._profiler_enabled() else None
             if hooked:
-                on_median = median
+                on_mean = mean
                 class_blocks += module_calls.class_mode()
-            elif on_median is not None and median is not None:
-                pairs.append((on_median, median))
+            elif on_mean is not None and mean is not None:
+                pairs.append((on_mean, mean))
     m_on, m_off = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
     paired = statistics.median(p[0] - p[1] for p in pairs)
     return {
