@@ -11,8 +11,9 @@ precomputed threshold (the rolling median's, updated every 16 steps), one tuple 
 or more).  Non-finiteness is read without a sync (and not inside trace windows, whose traces hold the script's ops
 only): a checked step sums the gradient of its smallest parameter on the device (every ``FULL_EVERY`` checks: the
 norms of all gradients), below every dispatch mode, and the result is read at the *next* step's end (or, after
-steady steps, at the next full one: ``collectors/steady_steps.py``), when it is long done: on the CPU reading is free, on CUDA only once its event has completed, on other devices (TPU) never
-during the run (the figure reads None: an ``.item()`` would change the program).  A NaN in any gradient reaches
+steady steps, at the next full one: ``collectors/steady_steps.py``), when it is long done: on the CPU reading is
+free, on CUDA only once its event has completed, on other devices (TPU) never during the run (the figure reads None:
+an ``.item()`` would change the program).  A NaN in any gradient reaches
 every parameter through the update, so the one small gradient sees it at the next check; the periodic full check
 covers the rest.
 
