@@ -147,3 +147,33 @@ def test_a_step_with_other_inputs_or_another_module_is_never_steady() -> None:
     assert (gate.left, gate.until_ns) == (4, 50)
     gate.shut()
     assert gate.left == 0
+
+
+def test_a_root_input_whose_shape_raises_never_reaches_the_script(tmp_path: Path) -> None:
+    """The steady root call reads its inputs' shapes; a nested tensor's ``.shape`` raises.  The script's call goes
+    on as without tpudiag, and the steps after it are recorded."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x if x.is_nested else self.lin(x)
+
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="nested"):
+        nested = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)])
+    before = steady_steps.gate.steady
+    db = tmp_path / "nested.duckdb"
+    with tpudiag.capture(db=db, name="nested", collect="trace"):
+        for i in range(400):
+            if i == 300:
+                assert model(nested) is nested
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert steady_steps.gate.steady - before >= 100  # the nested call came while steps were steady
+    assert [r[0] for r in _read(db)["pulse"]] == list(range(400))
