@@ -283,11 +283,19 @@ class MemoryCollector:
     # -- steady steps (collectors/steady_steps.py) ------------------------------------------------------------
     def horizon(self, gate: Any) -> None:
         """The steps ``_after_step`` would take no reading on: until the stride's next reading, past its first
-        steps, without dispatch counting.  (The growth watch's steps are taken in ``absorb``.)"""
+        steps, without dispatch counting.  The growth watch's steps are taken in ``absorb``, unless the held
+        reading is already past the growth threshold: then the step where the span closes (and may ask for a
+        window) is a full one, so the window opens on the next step as it would without steady steps (asked from
+        ``absorb``, it came up to 50 ms later, and a leak near a script's end could end before its window)."""
         if self._dispatch is not None or self._steps < self._stride.first_steps:
             gate.shut()
             return
-        gate.limit(1 << 30, (self._read_at - self._monotonic_offset) * 1e9)
+        steps = 1 << 30  # (the gate holds its own cap)
+        growth, live = self._growth, self._live
+        floor = growth.floor
+        if live is not None and floor is not None and live > floor * growth.factor and live - floor >= growth.min_bytes:
+            steps = growth.quiet if live == growth.held and not control.STATE.window_open else 0
+        gate.limit(steps, (self._read_at - self._monotonic_offset) * 1e9)
 
     def absorb(self, starts: list[int], ends: list[int]) -> None:
         """Steady steps: ``_after_step`` without a reading, step by step (the growth watch sees the held reading;
