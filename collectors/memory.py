@@ -137,7 +137,6 @@ class MemoryCollector:
         self._live: int | None = None  # live bytes of the last sample (the growth watch's figure)
         self._stride = Stride()  # one sample a step, thinned on fast steps (tpudiag.longrun.stride)
         self._read_at = -math.inf  # the clock from which the stride's next reading is due
-        self._monotonic_offset = time.monotonic() - time.perf_counter_ns() * 1e-9  # (steady steps' clock)
 
     # -- plugin protocol --------------------------------------------------------------------------------------
     def is_available(self) -> bool:
@@ -262,16 +261,7 @@ class MemoryCollector:
                 self._read(step, now)
             live = self._live
             if live is not None and step >= triggers.WARMUP_STEPS:  # as every trigger: after warm-up
-                growth = self._growth
-                if growth.quiet and live == growth.held and not control.STATE.window_open:
-                    growth.quiet -= 1  # a held reading that decides nothing (``GrowthWatch``'s docstring)
-                    growth.pending += 1
-                else:
-                    if growth.seen + growth.pending == 0:
-                        self._span_from = step
-                    low = growth.see(live, in_window=control.STATE.window_open)
-                    if low is not None and growth.floor:
-                        self._ask_for_window(low, step)
+                self._watch_growth(step, live, control.STATE.window_open)
             if self._dispatch is not None:
                 self._dispatch.failed_op = None  # an error the script caught and went past
                 if self._dispatch.full():
@@ -290,32 +280,40 @@ class MemoryCollector:
         if self._dispatch is not None or self._steps < self._stride.first_steps:
             gate.shut()
             return
+        from tpudiag.collectors import steady_steps  # (torch's: this module loads without it)
+
         steps = 1 << 30  # (the gate holds its own cap)
         growth, live = self._growth, self._live
         floor = growth.floor
         if live is not None and floor is not None and live > floor * growth.factor and live - floor >= growth.min_bytes:
             steps = growth.quiet if live == growth.held and not control.STATE.window_open else 0
-        gate.limit(steps, (self._read_at - self._monotonic_offset) * 1e9)
+        gate.limit(steps, steady_steps.perf_ns(self._read_at))
 
     def absorb(self, starts: list[int], ends: list[int]) -> None:
         """Steady steps: ``_after_step`` without a reading, step by step (the growth watch sees the held reading;
         a span it closes asks for its window now, on the steady steps' last step at the latest)."""
         window_open = control.STATE.window_open
+        live = self._live
         for _ in ends:
             step = self._steps
-            live = self._live
             if live is not None and step >= triggers.WARMUP_STEPS:
-                growth = self._growth
-                if growth.quiet and live == growth.held and not window_open:
-                    growth.quiet -= 1
-                    growth.pending += 1
-                else:
-                    if growth.seen + growth.pending == 0:
-                        self._span_from = step
-                    low = growth.see(live, in_window=window_open)
-                    if low is not None and growth.floor:
-                        self._ask_for_window(low, step)
+                self._watch_growth(step, live, window_open)
             self._steps = step + 1
+
+    def _watch_growth(self, step: int, live: int, window_open: bool) -> None:
+        """The growth watch on one step past warm-up (``_after_step``, and ``absorb`` for steady steps): a held
+        reading that decides nothing is only counted (``GrowthWatch``'s docstring); a span that closes grown past
+        the floor asks for a ``memory`` window."""
+        growth = self._growth
+        if growth.quiet and live == growth.held and not window_open:
+            growth.quiet -= 1
+            growth.pending += 1
+            return
+        if growth.seen + growth.pending == 0:
+            self._span_from = step
+        low = growth.see(live, in_window=window_open)
+        if low is not None and growth.floor:
+            self._ask_for_window(low, step)
 
     def resume(self, start: int) -> None:
         return None

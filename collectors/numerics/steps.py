@@ -155,34 +155,41 @@ class StepBoundaries:
             ):  # fmt: skip
                 self._boundary()
                 return
-            # ``_unwatched_step_done`` and ``_replay`` inlined for the case here (no watched step waits to be
-            # charged).  A step not watched for ``steady_state`` is counted in ``quiet_steps``, which
-            # ``_settle_quiet`` adds to the per-reason counts before anything reads them.
-            took = now - st.t0
-            if took < st.plain_s:
-                st.plain_s = took
-            if st.reason == "steady_state":
-                if not st.quiet_steps:
-                    st.quiet_seq = mode.seq
-                st.quiet_steps += 1
-            else:
-                self._replay(st.reason)
-                st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
-                st.reason = "steady_state"
-            if mode.step_calls:
-                mode.step_calls = {}
-            st.step = step
-            # ``Sampler.begin_step(False, False, capped, now)``, inlined: ``boost`` and ``recheck`` are off already
-            # (an unwatched step was begun with them off), as are the step's ``background_step``, ``boost_step`` and
-            # ``partial``.  ``_step_started``'s figures (signatures, spent and check seconds at the start) are read
-            # only at the end of a watched step, and only ``_boundary`` begins one.
-            sampler = mode.sampler
-            capped = sch.settled and step >= FIRST_STEPS and sampler.options.mode != "all"
-            sampler.check_until = now + CHECK_STEP_S if capped else None
+            self._quiet_steps(st, mode, now - st.t0, 1, now)
             st.t0 = time.perf_counter()
         except Exception as err:
             where = "optimizer step hook" if optimizer is not None else "step boundary"
             internal_errors.current().record("numerics", where, err)
+
+    def _quiet_steps(self, st: StepState, mode: Any, fastest: float, n: int, now: float) -> None:
+        """``n`` steps ended on the quiet path (``_step_end``'s, or steady steps' in a batch: ``SteadyNumerics``),
+        the fastest of them in ``fastest`` seconds, the last at ``now``.
+
+        ``_unwatched_step_done`` and ``_replay`` for the case here (no watched step waits to be charged).  A step not
+        watched for ``steady_state`` is counted in ``quiet_steps``, which ``_settle_quiet`` adds to the per-reason
+        counts before anything reads them; the first step after one the budget refused is replayed for its reason."""
+        if st.plain_s is None or fastest < st.plain_s:
+            st.plain_s = fastest
+        quiet = n
+        if st.reason != "steady_state":
+            self._replay(st.reason)
+            st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
+            st.reason = "steady_state"
+            quiet -= 1
+        if quiet:
+            if not st.quiet_steps:
+                st.quiet_seq = mode.seq
+            st.quiet_steps += quiet
+        if mode.step_calls:
+            mode.step_calls = {}
+        st.step += n
+        # ``Sampler.begin_step(False, False, capped, now)``, inlined: ``boost`` and ``recheck`` are off already (an
+        # unwatched step was begun with them off), as are the step's ``background_step``, ``boost_step`` and
+        # ``partial``.  ``_step_started``'s figures (signatures, spent and check seconds at the start) are read only
+        # at the end of a watched step, and only ``_boundary`` begins one.
+        sampler = mode.sampler
+        capped = st.schedule.settled and st.step >= FIRST_STEPS and sampler.options.mode != "all"
+        sampler.check_until = now + CHECK_STEP_S if capped else None
 
     def _boundary(self) -> None:
         """End of a step (``_step_end``, when it is not the quiet kind): learn from it, replay its ops if it was not
@@ -407,28 +414,11 @@ class SteadyNumerics:
             return
         st = c._steps
         prev = st.t0
-        fastest = st.plain_s
+        fastest = float("inf")
         for end in ends:
-            took = end * 1e-9 - prev
-            if fastest is None or took < fastest:
-                fastest = took
+            fastest = min(fastest, end * 1e-9 - prev)
             prev = end * 1e-9
-        st.plain_s = fastest
-        quiet = n
-        if st.reason != "steady_state":  # the first step after one the budget refused: as ``_step_end`` does
-            self._collector._replay(st.reason)
-            st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
-            st.reason = "steady_state"
-            quiet -= 1
-        if quiet:
-            if not st.quiet_steps:
-                st.quiet_seq = mode.seq
-            st.quiet_steps += quiet
-        if mode.step_calls:
-            mode.step_calls = {}
-        st.step += n
-        capped = st.schedule.settled and st.step >= FIRST_STEPS and mode.sampler.options.mode != "all"
-        mode.sampler.check_until = prev + CHECK_STEP_S if capped else None
+        c._quiet_steps(st, mode, fastest, n, prev)
         st.t0 = prev
 
     def resume(self, start: int) -> None:
