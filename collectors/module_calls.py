@@ -169,7 +169,7 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     local = _local
     depth = getattr(local, "depth", 0)
     gate = _gate
-    if not depth and (gate.ready or gate.begun or gate.starts):
+    if not depth and (gate.ready or gate.starts):  # (a steady step ``begun`` has its start in ``starts``)
         # A steady step's root call (``collectors/steady_steps.py``): its start taken, no listener entered.  Another
         # call of the same root with the same inputs inside a steady step (gradient accumulation's micro-batches)
         # is steady too while the step is younger than the shortest step a root call may end (``root_steps``).

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any, Protocol
 
 import torch
@@ -100,8 +101,12 @@ _enabled = os.environ.get("TPUDIAG_STEADY", "1") not in ("0", "false", "no", "of
 _main_ident = threading.main_thread().ident
 
 
-def enabled() -> bool:
-    return _enabled
+_MONOTONIC_OFFSET = time.monotonic() - time.perf_counter_ns() * 1e-9  # (one clock on Linux; an offset elsewhere)
+
+
+def perf_ns(monotonic_s: float) -> float:
+    """A ``time.monotonic()`` deadline on the fast paths' clock (``perf_counter_ns``)."""
+    return (monotonic_s - _MONOTONIC_OFFSET) * 1e9
 
 
 def set_parts(parts: tuple[Part, ...]) -> None:
