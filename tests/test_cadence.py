@@ -69,7 +69,7 @@ def test_the_feeder_loads_as_the_cadence_says(tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setattr(feeder, "lower_priority", lambda nice: "none")  # (this is the test's own process)
     monkeypatch.setattr(feeder, "_load_once", load)
-    monkeypatch.setattr(feeder, "settling_interval", aged)
+    monkeypatch.setattr(feeder, "unwatched_interval", aged)
     argv = [str(tmp_path / "s.duckdb"), str(tmp_path), str(tmp_path / "spool"), str(os.getppid()), "0.01"]
     worker = threading.Thread(target=feeder.main, args=(argv,))
     worker.start()

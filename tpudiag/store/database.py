@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tpudiag.errors import StoreError, StoreLockedError
 from tpudiag.model import BULK_TABLES, Run, column_names, is_table_name
 from tpudiag.processes import pid_alive
-from tpudiag.store import pending
+from tpudiag.store import live_loads, pending
 from tpudiag.store.pending import Finisher
 from tpudiag.store.schema import MIGRATIONS, SCHEMA_VERSION, ddl
 
@@ -141,9 +141,11 @@ class Store:
 
     @contextlib.contextmanager
     def reader(self, settle: bool = True) -> Iterator[duckdb.DuckDBPyConnection]:
-        """A read-only connection, once every run being stored in the background is stored (``settle``)."""
+        """A read-only connection, once every run being stored in the background is stored and every running
+        capture's feeder has loaded what it spooled (``settle``: ``store/live_loads.py``)."""
         if settle:
             pending.settle(self, self.finisher)
+            live_loads.ask_for_fresh(self.runs_dir)
         if not self.path.exists():
             raise StoreError(f"no store at {self.path} (capture a run first: tpudiag capture script.py)")
         con = self._open(read_only=True)
