@@ -249,6 +249,12 @@ def test_sigkill_leaves_a_run_that_is_later_marked_interrupted_with_its_flushed_
     (run,) = _runs(db, tmp_path)
     assert run["status"] == "interrupted"
     assert run["id"] == running["id"]
+    # Its feeder (left alone, the capture gone) loaded once more and left: no reader asks it for loads.
+    feeding = db.with_name(db.stem + ".runs") / ".feeding"
+    deadline = time.monotonic() + 60
+    while list(feeding.glob(run["id"] + "*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not list(feeding.glob(run["id"] + "*"))
     report = run_tpudiag("report", "--db", str(db), "--json", cwd=tmp_path)
     assert report.returncode == 0, report.stderr
     data = json.loads(report.stdout)

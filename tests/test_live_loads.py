@@ -58,8 +58,10 @@ def test_a_reader_gets_what_was_spooled_since_the_feeders_last_load(tmp_path: Pa
     _part(spool, "a", range(0, 10))
     argv = [str(db), str(run_dir), str(spool), str(os.getpid()), "3600"]  # its own clock: an hour
     feeder = subprocess.Popen([sys.executable, "-m", "tpudiag.store.feeder", *argv], stderr=subprocess.PIPE)
+    live_loads.start(Store(db).runs_dir, "r1")  # as SpoolFeeder.start does
+    feeding = live_loads.folder(Store(db).runs_dir)
     try:
-        _wait_for(run_dir / live_loads.LOADED_FILE)  # its first load, at once
+        _wait_for(feeding / ("r1" + live_loads.LOADED))  # its first load, at once
         assert _pulse_rows(db) == 10
         _part(spool, "b", range(10, 25))
         time.sleep(1.0)  # five of its polls: nobody asked, nothing loaded
@@ -67,7 +69,7 @@ def test_a_reader_gets_what_was_spooled_since_the_feeders_last_load(tmp_path: Pa
         time.sleep(live_loads.FRESH_S)  # the first load is no longer fresh
         with Store(db).reader() as con:  # asks, waits for the load
             assert con.execute("SELECT count(*) FROM pulse").fetchone() == (25,)
-        assert not (run_dir / live_loads.WANT_FILE).exists()
+        assert not (feeding / ("r1" + live_loads.WANT)).exists()
     finally:
         (run_dir / STOP_FILE).touch()
         _, err = feeder.communicate(timeout=60)
@@ -75,11 +77,10 @@ def test_a_reader_gets_what_was_spooled_since_the_feeders_last_load(tmp_path: Pa
 
 
 def test_a_request_nobody_serves_costs_one_wait(tmp_path: Path) -> None:
-    """A running capture's record left behind by a feeder that is gone: the first reader waits once, no later one."""
+    """A run marked fed by a feeder that is gone (killed with its capture): the first reader waits once, no later
+    one; the next capture's recovery of the dead run removes the mark."""
     runs = tmp_path / "s.runs"
-    (runs / "r1").mkdir(parents=True)
-    (runs / "r1" / RUN_FILE).write_text("{}")
-    (runs / ".pending").mkdir()  # not a run's folder
+    live_loads.start(runs, "r1")
     t0 = time.monotonic()
     assert live_loads.ask_for_fresh(runs, wait_s=1.0) == 1
     first = time.monotonic() - t0
@@ -88,24 +89,29 @@ def test_a_request_nobody_serves_costs_one_wait(tmp_path: Path) -> None:
     t0 = time.monotonic()
     assert live_loads.ask_for_fresh(runs, wait_s=1.0) == 0
     assert time.monotonic() - t0 < first
+    live_loads.stop(runs, "r1")
+    assert os.listdir(live_loads.folder(runs)) == []
     assert live_loads.ask_for_fresh(tmp_path / "none") == 0  # no runs folder: nothing to ask
 
 
 def test_a_load_under_fresh_s_ago_is_not_asked_again(tmp_path: Path) -> None:
     """A dashboard page's many queries ask once: a feeder that loaded under FRESH_S ago is not asked again."""
-    run_dir = tmp_path / "s.runs" / "r1"
-    run_dir.mkdir(parents=True)
-    (run_dir / RUN_FILE).write_text("{}")
-    (run_dir / live_loads.LOADED_FILE).touch()
-    assert live_loads.ask_for_fresh(run_dir.parent, wait_s=0.1) == 0
-    assert not (run_dir / live_loads.WANT_FILE).exists()
+    runs = tmp_path / "s.runs"
+    live_loads.start(runs, "r1")
+    live_loads.mark_loaded(runs, "r1")
+    loaded, want = (
+        live_loads.folder(runs) / ("r1" + live_loads.LOADED),
+        live_loads.folder(runs) / ("r1" + live_loads.WANT),
+    )
+    assert live_loads.ask_for_fresh(runs, wait_s=0.1) == 0
+    assert not want.exists()
     old = time.time() - live_loads.FRESH_S - 1
-    os.utime(run_dir / live_loads.LOADED_FILE, (old, old))
-    assert live_loads.ask_for_fresh(run_dir.parent, wait_s=0.1) == 1
-    assert (run_dir / live_loads.WANT_FILE).exists()  # (no feeder here to serve it)
-    live_loads.mark_loaded(run_dir)  # what the feeder does after its load
-    assert not (run_dir / live_loads.WANT_FILE).exists()
-    assert live_loads.ask_for_fresh(run_dir.parent, wait_s=0.1) == 0
+    os.utime(loaded, (old, old))
+    assert live_loads.ask_for_fresh(runs, wait_s=0.1) == 1
+    assert want.exists()  # (no feeder here to serve it)
+    live_loads.mark_loaded(runs, "r1")  # what the feeder does after its load
+    assert not want.exists()
+    assert live_loads.ask_for_fresh(runs, wait_s=0.1) == 0
 
 
 def test_the_feeders_own_clock_slows_to_two_minutes() -> None:

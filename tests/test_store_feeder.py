@@ -76,6 +76,8 @@ def test_a_child_loads_the_running_capture_and_the_script_never_loads_duckdb(tmp
     assert run["status"] == "ok"
     run_dir = Path(run["artifacts_dir"])
     assert not (run_dir / "feeder.json").exists() and not (run_dir / "feeder.stop").exists()
+    feeding = db.with_name(db.stem + ".runs") / ".feeding"  # readers asked it for loads while it ran (live_loads)
+    assert feeding.is_dir() and not list(feeding.iterdir())
     assert not [c for c in _children(os.getpid()) if "tpudiag.store.feeder" in c]
     report = json.loads(run_tpudiag("report", "--db", str(db), "--json", cwd=tmp_path).stdout)
     assert report["pulse"]["steps"] == result["steps"]  # every step stored, loaded by the feeder or at the end

@@ -8,11 +8,11 @@ busy that CPU is the training loop's.  Minutes into a job nobody needs the store
 grows with the run's age, one twentieth of it, up to 30 s: every 10 s for the first 200 s, every 30 s from the
 tenth minute on (the feeder's steady share falls to about 0.3%).  A longer ``TPUDIAG_FLUSH_S`` is kept as it is.
 
-The feeder's own clock (``unwatched_interval``) slows faster, half the run's age up to every two minutes (from
-the fourth minute on): its loads are there for the
-readers, and a reader asks for one when it reads (``store/live_loads.py``), so a load nobody asked for only keeps
-the store near the job for whoever reads the file directly.  On the long-run bench loop that took the feeder from
-about 0.9% of the loop's core to a third of it.
+The feeder's own clock (``unwatched_interval``) slows faster, to half the run's age, up to every two minutes
+(from the fourth minute on): its loads are for the store's readers, and a reader asks for one when it reads
+(``store/live_loads.py``), so a load nobody asked for only keeps the store near the job for whoever reads the file
+with a client of their own.  On the long-run bench loop (its capture pinned to one core) the feeder's CPU over the
+first five minutes fell from 3.1 s to 1.8 s (of which ~0.5 s is its start: Python, DuckDB's import).
 """
 
 from __future__ import annotations

@@ -303,6 +303,8 @@ class Store:
         ]
         if not stale:
             return []
+        for rid, *_ in stale:
+            live_loads.stop(self.runs_dir, rid)  # its feeder was killed with it: readers do not ask it for loads
         with self.writer() as w:
             for rid, _pid, _started, adir in stale:
                 if adir:

@@ -35,7 +35,7 @@ from tpudiag.processes import lower_priority, make_background, pid_alive
 from tpudiag.store import live_loads
 from tpudiag.store.database import Store
 
-RUN_FILE = live_loads.RUN_FILE
+RUN_FILE = "feeder.json"
 STOP_FILE = "feeder.stop"
 LOG_FILE = "feeder.log"
 NICE = 10
@@ -68,6 +68,7 @@ class SpoolFeeder:
         except OSError as err:
             self.failed = str(err)
             return False
+        live_loads.start(Store(self.db).runs_dir, self.run.id)
         return True
 
     def stop(self, wait_s: float = 60.0) -> None:
@@ -85,7 +86,7 @@ class SpoolFeeder:
         for name in (STOP_FILE, RUN_FILE):
             with contextlib.suppress(OSError):
                 (self.run_dir / name).unlink()
-        live_loads.clear(self.run_dir)
+        live_loads.stop(Store(self.db).runs_dir, self.run.id)
 
 
 def _parent_alive(pid: int) -> bool:
@@ -113,15 +114,16 @@ def main(argv: list[str]) -> int:
     started = next_load = time.monotonic()
     # Five polls a second for a whole run, on a core the script may need: plain strings and syscalls (a poll with
     # pathlib's objects cost ~30 us of CPU, ~6x this).
-    stop, want, exists = os.fspath(run_dir / STOP_FILE), os.fspath(run_dir / live_loads.WANT_FILE), os.path.exists
+    stop, want, exists = os.fspath(run_dir / STOP_FILE), live_loads.want_path(store.runs_dir, run.id), os.path.exists
     while not exists(stop):
         if not _parent_alive(parent):
             # The capture died (killed?): what its collectors had flushed is loaded once more, nobody else will.
             _load_once(store, run, spool_dir, registered)
+            live_loads.stop(store.runs_dir, run.id)
             break
         if time.monotonic() >= next_load or exists(want):  # on its clock, or a reader asks (store/live_loads.py)
             registered = _load_once(store, run, spool_dir, registered)
-            live_loads.mark_loaded(run_dir)
+            live_loads.mark_loaded(store.runs_dir, run.id)
             now = time.monotonic()
             next_load = now + unwatched_interval(interval, now - started)  # longer as the run gets older
         time.sleep(0.2)

@@ -4,15 +4,17 @@ The feeder child (``store/feeder.py``) loads a running capture's spool into the 
 (``cadence.unwatched_interval``: every load opens the store, inserts and checkpoints, ~0.1 s of CPU whatever it
 carries, and on a machine whose cores are all busy that CPU is the training loop's).  A reader of the store (the
 dashboard's live pages, ``report``, ``check``: ``Store.reader``) asks for a load first, so it reads the job as it
-is now, not as it was at the last load:
+is now, not as it was at the last load.  The files, in ``<runs dir>/.feeding/`` (one small folder to list, however
+many runs the store holds):
 
-- the reader touches ``<run dir>/feeder.want`` for each running capture of the store (its folder holds the
-  feeder's ``feeder.json``) whose feeder has not loaded in the last ``FRESH_S`` seconds (``feeder.loaded``'s time),
-  and waits until the feeder has removed it, up to ``WAIT_S``;
-- the feeder looks for the file at each of its polls (every 0.2 s), loads, marks ``feeder.loaded`` and removes it.
+- ``<run id>``: there while the run's feeder runs (its parent makes it before starting it and removes it after);
+- ``<run id>.want``: a reader's request, made when the feeder has not loaded in the last ``FRESH_S`` seconds
+  (``<run id>.loaded``'s time); the reader waits until the feeder has removed it, up to ``WAIT_S``;
+- ``<run id>.loaded``: touched by the feeder after each load, which also removes the request (it looks for one at
+  each of its polls, every 0.2 s).
 
-A request nobody serves (the feeder is gone, or starved of CPU) costs a reader ``WAIT_S`` once: a request file
-older than that is taken as unserved, and later readers do not wait for it.
+A request nobody serves (the feeder is gone, or starved of CPU) costs a reader ``WAIT_S`` once: a request older than
+that is taken as unserved, and later readers do not wait for it.
 """
 
 from __future__ import annotations
@@ -22,67 +24,86 @@ import os
 import time
 from pathlib import Path
 
-RUN_FILE = "feeder.json"  # the running capture's record, there while its feeder runs (store/feeder.py)
-WANT_FILE = "feeder.want"
-LOADED_FILE = "feeder.loaded"
+FOLDER = ".feeding"
+WANT = ".want"
+LOADED = ".loaded"
 FRESH_S = 2.0  # a load this recent is fresh enough: a page's many queries ask once
 WAIT_S = 2.0  # the longest a reader waits for a load
 _POLL_S = 0.02
 
 
-def _age(path: Path, now: float) -> float | None:
+def folder(runs_dir: Path) -> Path:
+    return runs_dir / FOLDER
+
+
+def _age(path: str, now: float) -> float | None:
     try:
-        return now - path.stat().st_mtime
+        return now - os.stat(path).st_mtime
     except OSError:
         return None
 
 
-def running_run_dirs(runs_dir: Path) -> list[Path]:
-    """The folders of the store's captures whose feeder is running."""
-    try:
-        names = os.listdir(runs_dir)
-    except OSError:
-        return []
-    return [runs_dir / n for n in names if not n.startswith(".") and (runs_dir / n / RUN_FILE).is_file()]
-
-
 def ask_for_fresh(runs_dir: Path, wait_s: float = WAIT_S) -> int:
     """Ask the feeders of the store's running captures for a load and wait for them (up to ``wait_s``); how many
-    were asked.  Costs a directory listing where nothing runs."""
+    were asked.  One directory listing where nothing runs."""
+    base = os.fspath(folder(runs_dir))
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return 0
     now = time.time()
-    asked: list[Path] = []
-    for run_dir in running_run_dirs(runs_dir):
-        loaded = _age(run_dir / LOADED_FILE, now)
+    asked: list[tuple[str, str]] = []
+    for run_id in names:
+        if "." in run_id:  # a request or a load mark
+            continue
+        marker = os.path.join(base, run_id)
+        loaded = _age(marker + LOADED, now)
         if loaded is not None and loaded < FRESH_S:
             continue
-        want = run_dir / WANT_FILE
+        want = marker + WANT
         pending = _age(want, now)
         if pending is not None and pending > WAIT_S:
             continue  # asked before and never served: the feeder is gone or starved
         if pending is None:
             try:
-                want.touch()
+                Path(want).touch()
             except OSError:
                 continue  # a folder this reader may not write: it reads what is loaded
-        asked.append(want)
+        asked.append((marker, want))
     count = len(asked)
     deadline = time.monotonic() + wait_s
     while asked and time.monotonic() < deadline:
         time.sleep(_POLL_S)
-        asked = [w for w in asked if w.exists() and (w.parent / RUN_FILE).exists()]
+        asked = [(m, w) for m, w in asked if os.path.exists(w) and os.path.exists(m)]
     return count
 
 
-def mark_loaded(run_dir: Path) -> None:
+def start(runs_dir: Path, run_id: str) -> None:
+    """(The feeder's parent, once it started) the run is fed: readers may ask (where the mark cannot be made they
+    read what the feeder's own clock loaded)."""
+    with contextlib.suppress(OSError):
+        folder(runs_dir).mkdir(parents=True, exist_ok=True)
+        (folder(runs_dir) / run_id).touch()
+
+
+def want_path(runs_dir: Path, run_id: str) -> str:
+    """(The feeder) the request file it looks for at each poll."""
+    return os.fspath(folder(runs_dir) / (run_id + WANT))
+
+
+def mark_loaded(runs_dir: Path, run_id: str) -> None:
     """(The feeder, after each load) when it loaded, and any request it served gone."""
+    base = folder(runs_dir) / run_id
     with contextlib.suppress(OSError):
-        (run_dir / LOADED_FILE).touch()
+        Path(os.fspath(base) + LOADED).touch()
     with contextlib.suppress(OSError):
-        (run_dir / WANT_FILE).unlink()
+        os.unlink(os.fspath(base) + WANT)
 
 
-def clear(run_dir: Path) -> None:
-    """(The feeder's parent, at its stop) the request and load marks removed with the feeder's record."""
-    for name in (WANT_FILE, LOADED_FILE):
+def stop(runs_dir: Path, run_id: str) -> None:
+    """(The feeder's parent after it left; the feeder itself when its parent is gone; ``recover_stale_runs`` for a
+    run whose processes were all killed) the run is no longer fed."""
+    base = os.fspath(folder(runs_dir) / run_id)
+    for path in (base, base + WANT, base + LOADED):
         with contextlib.suppress(OSError):
-            (run_dir / name).unlink()
+            os.unlink(path)
