@@ -294,7 +294,7 @@ def test_trace_ranks_one_node_file_bucket(tmp_path: Path) -> None:
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     # The uploader runs on after the capture has returned (a busy machine: the bucket may still be empty here).
-    (run_dir,) = [p for p in (tmp_path / "s.runs").iterdir() if p.is_dir()]
+    (run_dir,) = [p for p in (tmp_path / "s.runs").iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert wait_uploads_at(run_dir) == "done"
     assert next((bucket / "manifests").iterdir()).name.split("=", 1)[1] == run_dir.name
     rep = tpudiag("report", "--remote", f"file://{bucket}", "--json", env=env, cwd=tmp_path)
