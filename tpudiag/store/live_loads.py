@@ -7,7 +7,8 @@ dashboard's live pages, ``report``, ``check``: ``Store.reader``) asks for a load
 is now, not as it was at the last load.  The files, in ``<runs dir>/.feeding/`` (one small folder to list, however
 many runs the store holds):
 
-- ``<run id>``: there while the run's feeder runs (its parent makes it before starting it and removes it after);
+- ``<run id>``: there while the run's feeder runs (its parent makes it once the feeder started, and removes it
+  after the feeder left);
 - ``<run id>.want``: a reader's request, made when the feeder has not loaded in the last ``FRESH_S`` seconds
   (``<run id>.loaded``'s time); the reader waits until the feeder has removed it, up to ``WAIT_S``;
 - ``<run id>.loaded``: touched by the feeder after each load, which also removes the request (it looks for one at
@@ -54,7 +55,7 @@ def ask_for_fresh(runs_dir: Path, wait_s: float = WAIT_S) -> int:
     now = time.time()
     asked: list[tuple[str, str]] = []
     for run_id in names:
-        if "." in run_id:  # a request or a load mark
+        if run_id.endswith((WANT, LOADED)):  # a request or a load mark
             continue
         marker = os.path.join(base, run_id)
         loaded = _age(marker + LOADED, now)
