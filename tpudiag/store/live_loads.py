@@ -4,8 +4,8 @@ The feeder child (``store/feeder.py``) loads a running capture's spool into the 
 (``cadence.unwatched_interval``: every load opens the store, inserts and checkpoints, ~0.1 s of CPU whatever it
 carries, and on a machine whose cores are all busy that CPU is the training loop's).  A reader of the store (the
 dashboard's live pages, ``report``, ``check``: ``Store.reader``) asks for a load first, so it reads the job as it
-is now, not as it was at the last load.  The files, in ``<runs dir>/.feeding/`` (one small folder to list, however
-many runs the store holds):
+was at most ``FRESH_S`` ago, not as of the feeder's last load.  The files, in ``<runs dir>/.feeding/`` (one small
+folder to list, however many runs the store holds):
 
 - ``<run id>``: there while the run's feeder runs (its parent makes it once the feeder started, and removes it
   after the feeder left);
@@ -28,7 +28,10 @@ from pathlib import Path
 FOLDER = ".feeding"
 WANT = ".want"
 LOADED = ".loaded"
-FRESH_S = 2.0  # a load this recent is fresh enough: a page's many queries ask once
+# A load this recent is fresh enough: a page's many queries ask once, and a dashboard left open on a running job
+# (its timeline refreshes every 5 s) costs a load every 10 s, the feeder's cadence at a run's start, not one a
+# refresh; the pulse is spooled every 5 s and the other collectors' rows every 10-30 s anyway.
+FRESH_S = 10.0
 WAIT_S = 2.0  # the longest a reader waits for a load
 _POLL_S = 0.02
 
