@@ -284,8 +284,7 @@ class MemoryCollector:
 
         steps = 1 << 30  # (the gate holds its own cap)
         growth, live = self._growth, self._live
-        floor = growth.floor
-        if live is not None and floor is not None and live > floor * growth.factor and live - floor >= growth.min_bytes:
+        if live is not None and growth.past_threshold(live):
             steps = growth.quiet if live == growth.held and not control.STATE.window_open else 0
         gate.limit(steps, steady_steps.perf_ns(self._read_at))
 

@@ -91,9 +91,12 @@ class GrowthWatch:
         if self.floor is None or low < self.floor:
             self.floor = low
             return None
-        if low > self.floor * self.factor and low - self.floor >= self.min_bytes:
-            return low
-        return None
+        return low if self.past_threshold(low) else None
+
+    def past_threshold(self, live: int) -> bool:
+        """``live`` bytes have grown past the floor by the factor and by ``min_bytes`` (a window's worth)."""
+        floor = self.floor
+        return floor is not None and live > floor * self.factor and live - floor >= self.min_bytes
 
     def granted(self, low: int) -> None:
         """A window was opened for ``low``: the next one needs as much growth again."""
