@@ -52,11 +52,15 @@ def write_job(trace_dir: Path, job: dict[str, Any]) -> Path:
 
 
 def pending_jobs(trace_dir: Path) -> list[Path]:
-    folder = trace_dir / JOBS
+    """The jobs waiting, oldest first.  The worker polls this several times a second for a whole run, on a core the
+    script may need: names are listed and filtered as plain strings, paths made only for the jobs found (with
+    pathlib's objects for every entry, an idle poll cost ~50 us of CPU, ~5x this)."""
+    folder = os.path.join(trace_dir, JOBS)
     try:
-        return sorted(p for p in folder.iterdir() if p.name.startswith("window-") and p.suffix == ".json")
+        names = os.listdir(folder)
     except OSError:
         return []
+    return [Path(folder, n) for n in sorted(names) if n.startswith("window-") and n.endswith(".json")]
 
 
 # A collector's extra analysis of each window (the memory collector's allocator view): "module:function" called as
@@ -263,16 +267,9 @@ def main(argv: list[str]) -> int:
     lower_priority(NICE)  # the idle class where there is one (tpudiag.processes)
     run_dir, run_id, trace_dir, parent = Path(argv[0]), argv[1], Path(argv[2]), int(argv[3])
     spool = Spool(run_dir / "spool")
-    # Polled for a whole run, on a core the script may need: plain strings and syscalls while nothing is queued
-    # (a poll with pathlib's objects cost ~50 us of CPU, ~5x this).
-    folder = os.fspath(trace_dir / JOBS)
-    stop = os.path.join(folder, STOP)
+    stop = os.fspath(trace_dir / JOBS / STOP)  # (polled as a plain string: see ``pending_jobs``)
     while True:
-        try:
-            queued = any(n.startswith("window-") and n.endswith(".json") for n in os.listdir(folder))
-        except OSError:
-            queued = False
-        jobs = pending_jobs(trace_dir) if queued else []
+        jobs = pending_jobs(trace_dir)
         for job in jobs:
             try:
                 run_job(run_id, spool, job, WINDOW_HOOK)
