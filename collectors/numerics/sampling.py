@@ -225,6 +225,7 @@ class Sampler:
     # every signature was re-checked).
     check_until: float | None = None
     round_done: bool = True
+    _round_size: int = 0  # signatures re-checked in this round when the step began
     _admitted: str = ""  # why the last call ``wants`` admitted was sampled: "first", "recheck" or "all"
 
     def wants(self, signature: tuple[Any, ...]) -> bool:
@@ -281,10 +282,18 @@ class Sampler:
             if self.round_done:
                 self.rechecked = set()
             self.round_done = True
+            self._round_size = len(self.rechecked)
         if capped and not boost and self.options.mode != "all":
             self.check_until = (time.perf_counter() if now is None else now) + CHECK_STEP_S
         else:
             self.check_until = None
+
+    def ran_out(self) -> None:
+        """The step's check time ran out before its end (its later calls were not looked at): a re-check step's round
+        goes on in the next periodic step, past the signatures re-checked already, if this step re-checked any (a
+        step that re-checked none ends the round: the next starts again from the step's first signatures)."""
+        if self.recheck and len(self.rechecked) > self._round_size:
+            self.round_done = False
 
     def refused(self, signature: tuple[Any, ...]) -> None:
         """The sampled call was not checked (over budget): a later call of the signature may take its place."""

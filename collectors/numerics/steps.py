@@ -262,6 +262,7 @@ class StepBoundaries:
         mode.sampler.begin_step(
             boost and affordable, periodic and affordable, capped=st.schedule.settled and st.step >= FIRST_STEPS
         )
+        mode.counting_only = False  # (a step whose check time ran out: the next begins afresh)
         st.watching = want and affordable
         st.reason = "steady_state" if not want else "budget"
         st.partial = False

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from tpudiag import console
+from tpudiag.collectors.numerics.sampling import CHECK_STEP_S
 
 if TYPE_CHECKING:
     from tpudiag.collectors.numerics.steps import StepState
@@ -49,6 +50,8 @@ class RunSummary:
             "watched": st.watched,
             "unwatched": dict(st.unwatched),
             "budget_detaches": st.budget_detaches,
+            # Steps past the first window whose check time (``sampling.CHECK_STEP_S``) ran out before their end.
+            "check_time_ran_out": self._mode.time_ups,
             "rewatched_for_new_inputs": st.rewatches,
         }
         budget: Any = self._mode.budget
@@ -73,6 +76,11 @@ class RunSummary:
             self._ctx.note(
                 f"numerics: --budget {self._mode.budget.pct:g}% ran out {st.budget_detaches} time(s) inside a step; "
                 "the checker left at the next module boundary (ops after that in the step are counted as 'budget')"
+            )
+        if self._mode.time_ups:
+            self._ctx.note(
+                f"numerics: in {self._mode.time_ups} watched step(s) the check time of a step "
+                f"({CHECK_STEP_S * 1e3:g} ms) ran out before its end; their later op calls are counted as 'budget'"
             )
         compiled = self._settings.get("compiled") or {}
         if self._compiles and compiled.get("graphs"):

@@ -18,6 +18,7 @@ from tpudiag.oracle.ops import OpPlan
 
 if TYPE_CHECKING:
     from tpudiag.collectors.numerics.context import Context
+    from tpudiag.collectors.numerics.sampling import Sampler
     from tpudiag.collectors.numerics.shadow import ShadowStream
     from tpudiag.oracle.copies import Float64Copies
 
@@ -26,6 +27,7 @@ _MAX_DESCRIPTIONS = 1 << 16
 
 class UncheckedCalls:
     ctx: Context
+    sampler: Sampler
     copies: Float64Copies
     shadow: ShadowStream
     recorder: Recorder
@@ -51,7 +53,10 @@ class UncheckedCalls:
             with _tool_range():
                 self._carry_shadow(func, plan, args, kwargs, out, tensors)
         outputs = oracle.targets(plan, args, kwargs, out)
-        if reason in ("sampled", "filtered", "budget", "off"):
+        # Past the run's first steps (a capped step: ``Sampler.check_until``) every unchecked call is counted in its
+        # aggregate row, views and factories too: the calls of one step repeat those the first steps recorded one
+        # by one, and a long run's periodic steps would each add a row per view, with its source line looked up.
+        if reason in ("sampled", "filtered", "budget", "off") or self.sampler.check_until is not None:
             described = self._described(signature, tensors)
             flops = (
                 _flops(func, args, kwargs, out, outputs, signature)
@@ -84,13 +89,16 @@ class UncheckedCalls:
         )
 
     def _described(self, signature: tuple[Any, ...] | None, tensors: list[torch.Tensor]) -> tuple[str, str, str]:
-        """(dtypes JSON, shapes JSON, sorted distinct dtypes JSON) of the inputs, cached per signature."""
-        hit = self._descriptions.get(signature) if signature is not None else None
+        """(dtypes JSON, shapes JSON, sorted distinct dtypes JSON) of the inputs, cached per signature (a call
+        without one, a view or a factory, by its inputs' shapes and dtypes: three JSON dumps a call were most of a
+        watched step's time on its views)."""
+        key = signature if signature is not None else (None, *[(t.shape, t.dtype) for t in tensors])
+        hit = self._descriptions.get(key)
         if hit is None:
             dtypes, shapes = describe_inputs(tensors)
             hit = (dtypes, shapes, json.dumps(sorted({dtype_name(t.dtype) for t in tensors})))
-            if signature is not None and len(self._descriptions) < _MAX_DESCRIPTIONS:
-                self._descriptions[signature] = hit
+            if len(self._descriptions) < _MAX_DESCRIPTIONS:
+                self._descriptions[key] = hit
         return hit
 
     def _carry_shadow(
