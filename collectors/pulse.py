@@ -494,8 +494,7 @@ class PulseRecorder:
     ) -> Any:
         """The pulse table of a hand-off: each record's clocks turned into its start, duration, gap and own time
         (never more than the step's period: tpudiag's time is spent inside it), its rare figures joined by step."""
-        import pyarrow as pa
-
+        from tpudiag import arrow_columns
         from tpudiag.model import PulseStep, arrow_schema
 
         offset = self._epoch_offset
@@ -517,7 +516,7 @@ class PulseRecorder:
         out["run_id"] = [self._ctx.run_id] * len(batch)
         out["rank"] = [self.rank] * len(batch)
         schema = arrow_schema(PulseStep)
-        return pa.table({f.name: out[f.name] for f in schema}, schema=schema)
+        return arrow_columns.table(out, schema)
 
     def stop(self) -> None:
         """The last step's gradient check (read now: the script has ended) and the last records."""

@@ -449,6 +449,6 @@ def records_to_arrow(cls: type[Any], records: typing.Iterable[Any]) -> pa.Table:
     for r in records:
         for n in names:
             cols[n].append(getattr(r, n))
-    import pyarrow as pa
+    from tpudiag import arrow_columns  # (no pandas check: written from the script's own process)
 
-    return pa.table(cols, schema=arrow_schema(cls))
+    return arrow_columns.table(cols, arrow_schema(cls))

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from tpudiag import no_pandas
 
 EPILOG = """accepted inputs (detected from content):
   *.xplane.pb            XSpace from TorchTPU, JAX or an XProf capture (one file per host)
@@ -35,7 +35,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_import(args: argparse.Namespace, rest: list[str]) -> int:
-    _skip_pandas()
+    no_pandas.skip()  # (pyarrow's pandas check: see tpudiag.no_pandas)
     from tpudiag.importer import import_paths
     from tpudiag.store_access import open_store
 
@@ -51,21 +51,3 @@ def cmd_import(args: argparse.Namespace, rest: list[str]) -> int:
     )
     print(result.run_id)
     return 0
-
-
-def _skip_pandas() -> None:
-    """pyarrow imports pandas (~0.6 s) on its first ``pa.array()`` only to check for pandas inputs.
-
-    The import command never hands pandas objects to Arrow or DuckDB, so in this (short-lived, command-only)
-    process pandas is reported as not installed, which pyarrow and duckdb both handle.  Never done once pandas is
-    loaded, nor with ``TPUDIAG_IMPORT_WITH_PANDAS=1``.
-    """
-    if "pandas" not in sys.modules and not os.environ.get("TPUDIAG_IMPORT_WITH_PANDAS"):
-        sys.meta_path.insert(0, _NoPandas())
-
-
-class _NoPandas(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
-        if fullname == "pandas" or fullname.startswith("pandas."):
-            raise ModuleNotFoundError(f"No module named {fullname!r} (skipped by tpudiag import)", name=fullname)
-        return None

@@ -1,0 +1,81 @@
+"""Arrow tables from Python lists without pyarrow's pandas check, for the script's own process.
+
+``pa.array`` and ``pa.table`` ask pyarrow's pandas shim whether each input is a pandas object, and the shim's first
+question imports pandas, if it is installed: +43 MB of RSS and ~0.7 s of CPU (on a slow 2-core VM), taken by a
+capture thread holding the GIL at the first spool write, in a script that may never use pandas.  The record tables
+tpudiag writes while a script runs have four column kinds (``model.column_kinds``: int64, float64, bool, string,
+each nullable), which are built here from their buffers.  A column holding anything else (a float in an int
+column, a subclass, a string Arrow cannot take) is left to ``pa.array``, which converts or refuses it exactly as
+before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+_MAX_STRING_BYTES = (1 << 31) - 1  # Arrow's ``string`` has 32-bit offsets
+
+
+def table(columns: dict[str, list[Any]], schema: pa.Schema) -> pa.Table:
+    """``pa.table(columns, schema=schema)``, the same table, without asking about pandas where it can."""
+    import pyarrow as pa
+
+    arrays = [column(columns[field.name], field.type) for field in schema]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def column(values: list[Any], type_: pa.DataType) -> pa.Array:
+    """``pa.array(values, type=type_)`` for an int64, float64, bool or string column of Python values and None."""
+    import pyarrow as pa
+
+    built = _built(values, type_)
+    return built if built is not None else pa.array(values, type=type_)
+
+
+def _built(values: list[Any], type_: pa.DataType) -> pa.Array | None:
+    import numpy as np
+    import pyarrow as pa
+
+    n = len(values)
+    valid = [v is not None for v in values]
+    nulls = n - sum(valid)
+    validity = pa.py_buffer(np.packbits(np.array(valid, dtype=bool), bitorder="little")) if nulls else None
+    present = [v for v in values if v is not None] if nulls else values
+    if type_ == pa.int64():
+        if not all(type(v) is int for v in present):
+            return None
+        try:
+            data = np.array([0 if v is None else v for v in values], dtype=np.int64)
+        except OverflowError:
+            return None
+        return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(data)], null_count=nulls)
+    if type_ == pa.float64():
+        if not all(type(v) is float or type(v) is int for v in present):
+            return None
+        try:
+            data = np.array([0.0 if v is None else v for v in values], dtype=np.float64)
+        except OverflowError:
+            return None
+        return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(data)], null_count=nulls)
+    if type_ == pa.bool_():
+        if not all(type(v) is bool for v in present):
+            return None
+        bits = np.packbits(np.array([v is True for v in values], dtype=bool), bitorder="little")
+        return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(bits)], null_count=nulls)
+    if type_ == pa.string():
+        if not all(type(v) is str for v in present):
+            return None
+        try:
+            encoded = [b"" if v is None else v.encode("utf-8") for v in values]
+        except UnicodeEncodeError:
+            return None
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in encoded], out=offsets[1:])
+        if offsets[-1] > _MAX_STRING_BYTES:
+            return None
+        buffers = [validity, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(encoded))]
+        return pa.Array.from_buffers(type_, n, buffers, null_count=nulls)
+    return None
