@@ -21,7 +21,8 @@ Long runs (issue 21).  Once the run has settled (a watched step met nothing new)
 window's steps (``schedule.FIRST_STEPS``: a short script is checked as before), no step outside a trace window is
 stalled by the checker for long: a step's checks stop ``CHECK_STEP_S`` after it began (an op never measured is
 expected to cost ``UNMEASURED_FACTOR`` times its prior), a new signature's check that would end later waits for a
-later call (reason ``budget``), and a periodic re-check step's signatures left over come first in the next one.
+later call (reason ``budget``), the step's calls after that clock are only counted (``NumericsMode._time_up``), and a
+periodic re-check step's signatures left over come first in the next one (``Sampler.ran_out``).
 Trace windows' steps (``boost``) check every call, as ``--numerics all`` does.
 """
 
