@@ -58,10 +58,18 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 @record
 def main():
-    rank = int(os.environ["RANK"])
-    sys.stdout.write(f"rank {rank} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}\n")
+    rank, attempt = int(os.environ["RANK"]), os.environ["TORCHELASTIC_RESTART_COUNT"]
+    sys.stdout.write(f"rank {rank} attempt {attempt}\n")
+    sys.stdout.flush()
+    # Rank 1 fails only once rank 0 has printed: the agent then stops rank 0, and on a loaded machine it had stopped
+    # a rank 0 still starting, its line never written (a CI run lost "rank 0 attempt 1").
+    printed = f"rank0-attempt{attempt}.printed"
     if rank == 1:
+        deadline = time.time() + 120
+        while not os.path.exists(printed) and time.time() < deadline:
+            time.sleep(0.05)
         raise RuntimeError(f"boom on rank {rank}")
+    open(printed, "w").close()
     time.sleep(3)
 
 main()
