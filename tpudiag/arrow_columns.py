@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 _MAX_STRING_BYTES = (1 << 31) - 1  # Arrow's ``string`` has 32-bit offsets
+# Arrow type name -> (the Python types its values may have, numpy dtype, what a null's slot holds)
+_NUMERIC: dict[str, tuple[tuple[type, ...], str, int | float]] = {
+    "int64": ((int,), "int64", 0),
+    "double": ((float, int), "float64", 0.0),
+}
 
 
 def table(columns: dict[str, list[Any]], schema: pa.Schema) -> pa.Table:
@@ -44,19 +49,13 @@ def _built(values: list[Any], type_: pa.DataType) -> pa.Array | None:
     nulls = n - sum(valid)
     validity = pa.py_buffer(np.packbits(np.array(valid, dtype=bool), bitorder="little")) if nulls else None
     present = [v for v in values if v is not None] if nulls else values
-    if type_ == pa.int64():
-        if not all(type(v) is int for v in present):
+    numeric = _NUMERIC.get(str(type_))
+    if numeric is not None:
+        kinds, dtype, fill = numeric
+        if not all(type(v) in kinds for v in present):
             return None
         try:
-            data = np.array([0 if v is None else v for v in values], dtype=np.int64)
-        except OverflowError:
-            return None
-        return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(data)], null_count=nulls)
-    if type_ == pa.float64():
-        if not all(type(v) is float or type(v) is int for v in present):
-            return None
-        try:
-            data = np.array([0.0 if v is None else v for v in values], dtype=np.float64)
+            data = np.array([fill if v is None else v for v in values], dtype=dtype)
         except OverflowError:
             return None
         return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(data)], null_count=nulls)
