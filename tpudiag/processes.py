@@ -28,13 +28,15 @@ def lower_priority(nice: int) -> str:
     after each trace window while the window's analysis ran (2 cores), and those steps opened ``slow_step`` windows of
     tpudiag's own making.  Under ``SCHED_IDLE`` the same steps ran at about 1 ms.
 
-    Neither is enough by itself where Linux groups processes by session (``sched_autogroup_enabled``, the default
-    on most distributions): these children start in sessions of their own (the user's Ctrl-C does not reach them),
-    so each is a scheduling group of its own, and the kernel shares a core between groups first, by the groups'
-    weights, before a group's tasks are weighed by their class or nice.  An idle-class analysis child took 4 ms
-    slices of the training loop's core every ~10 ms for seconds after each window (the loop and the capture pinned
-    to one core: a step in three took 5.5 ms instead of 1.4).  So the child's group is made nice 19 as well
-    (``nicer_group``).
+    The class only works against the script where the two share a scheduling group.  Where Linux groups processes
+    by session (``sched_autogroup_enabled``, the default on most distributions) the kernel shares a core between
+    groups first, by the groups' weights, and only then weighs a group's tasks by their class or nice: a child in a
+    session of its own got a group's share of the script's core whatever its class (half of it at the group's nice
+    0; 1.4% at nice 19, as much as a busy feeder or analyst wants).  So the background children start in the
+    caller's session, in a process group of their own (``BACKGROUND_GROUP``: the terminal's Ctrl-C, sent to the
+    foreground group, and a launcher's signal to the job's process group do not reach them), and there the idle
+    class holds them to ~0.3% of a core the script keeps busy.  A process that does lead a session of its own (an
+    older caller's child) still makes its group nice 19 (``nicer_group``).
     """
     nicer_group()
     if _idle(0):
@@ -46,9 +48,17 @@ def lower_priority(nice: int) -> str:
         return "none"
 
 
+# ``subprocess.Popen(..., process_group=BACKGROUND_GROUP)``: a background child that competes with the script for
+# CPU (the window analyst, the store feeder) leads a process group of its own, in the caller's session and so in
+# the script's scheduling group (``lower_priority``).  One that must outlive the script's session or keep a share of
+# a busy core (the deferred store write, the uploader) starts a session of its own instead.
+BACKGROUND_GROUP = 0
+
+
 def make_background(pid: int, idle: bool = True) -> None:
-    """From the parent, at once after starting a background child in a session of its own: its scheduling group at
-    nice 19 and (``idle``) the child in the idle class, before it has imported anything (``lower_priority``)."""
+    """From the parent, at once after starting a background child: (``idle``) the child in the idle class, before
+    it has imported anything, and, where it leads a session of its own, its scheduling group at nice 19
+    (``lower_priority``)."""
     nicer_group(pid)
     if idle:
         _idle(pid)

@@ -28,7 +28,7 @@ from typing import Any
 
 from tpudiag import no_pandas
 from tpudiag.atomic_file import atomic_file
-from tpudiag.processes import lower_priority, make_background, pid_alive
+from tpudiag.processes import BACKGROUND_GROUP, lower_priority, make_background, pid_alive
 
 JOBS = "jobs"
 STOP = "STOP"
@@ -180,7 +180,7 @@ class Worker:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=log,
-                    start_new_session=True,  # the user's Ctrl-C does not reach it
+                    process_group=BACKGROUND_GROUP,  # no Ctrl-C; the script's scheduling group (tpudiag.processes)
                     cwd=self.trace_dir,  # not the user's folder: a module of theirs cannot shadow one tpudiag imports
                 )
             make_background(self.proc.pid)

@@ -4,7 +4,7 @@ While the script runs, its collectors write Parquet parts to the run's spool fol
 (the dashboard, ``report``) once those parts are loaded.  Loading them in the script's own process, as the capture
 did, put DuckDB and its buffers into that process: +160 MB of RSS from the first flush on (issue 21's bench loop:
 337 -> 465 MB with nothing but the compile collector), and the load's CPU on a thread beside the training loop every
-10 s.  The feeder does it instead, ``nice`` 10, in its own session, without torch:
+10 s.  The feeder does it instead, in the idle class (``tpudiag.processes``), without torch:
 
 - the parent writes the run's first record to ``<run dir>/feeder.json`` and starts the child at the first flush;
 - at once, then on a clock that slows as the run gets older (``cadence.unwatched_interval``), and whenever a reader
@@ -31,7 +31,7 @@ from pathlib import Path
 from tpudiag.cadence import unwatched_interval
 from tpudiag.errors import TpudiagError
 from tpudiag.model import Run
-from tpudiag.processes import lower_priority, make_background, pid_alive
+from tpudiag.processes import BACKGROUND_GROUP, lower_priority, make_background, pid_alive
 from tpudiag.store import live_loads
 from tpudiag.store.database import Store
 
@@ -62,7 +62,7 @@ class SpoolFeeder:
                         sys.executable, "-m", "tpudiag.store.feeder", str(self.db), str(self.run_dir),
                         str(self.spool_dir), str(os.getpid()), str(self.interval_s),
                     ],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, process_group=BACKGROUND_GROUP,
                 )  # fmt: skip
             make_background(self.proc.pid)
         except OSError as err:
