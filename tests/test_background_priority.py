@@ -47,14 +47,6 @@ def _groups_settable() -> bool:
 GROUPS = _groups_settable()
 
 
-def _autogroup_nice(pid: int | str) -> int | None:
-    """A process's group nice ("/autogroup-123 nice 19"); None for a process in no group of its own: one whose
-    sessions all descend from the system's first without a ``setsid`` (a CI harness's) reads an empty file."""
-    with open(f"/proc/{pid}/autogroup") as fh:
-        words = fh.read().split()
-    return int(words[-1]) if words else None
-
-
 def _session_and_group(pid: int) -> tuple[int, int]:
     return os.getsid(pid), os.getpgid(pid)
 

@@ -35,8 +35,8 @@ def lower_priority(nice: int) -> str:
     0; 1.4% at nice 19, as much as a busy feeder or analyst wants).  So the background children start in the
     caller's session, in a process group of their own (``BACKGROUND_GROUP``: the terminal's Ctrl-C, sent to the
     foreground group, and a launcher's signal to the job's process group do not reach them), and there the idle
-    class holds them to ~0.3% of a core the script keeps busy.  A process that does lead a session of its own (an
-    older caller's child) still makes its group nice 19 (``nicer_group``).
+    class holds them to ~0.3% of a core the script keeps busy.  A child some other caller started in a session of
+    its own still makes that session's group nice 19 (``nicer_group``).
     """
     nicer_group()
     if _idle(0):
