@@ -56,6 +56,7 @@ import torch
 
 from tpudiag import forks, internal_errors
 from tpudiag.collectors import steady_steps
+from tpudiag.longrun import control
 
 
 class _CompilingFlag:
@@ -189,7 +190,29 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             except Exception:
                 key = None
             now = _perf_counter_ns()
-            if key == gate.key and (gate.ready or (gate.begun and now - gate.starts[-1] < gate.long_ns)):
+            if gate.byroot:
+                # A step ended by root calls (``root_steps``): this call ends the step in progress and begins the
+                # next, as ``step_points.end_without_optimizer`` would have (not inside a backward, where a
+                # checkpointed module's forward is recomputed: never a step's end).
+                if (
+                    key == gate.key
+                    and now < gate.until_ns
+                    and now - gate.last_end <= gate.slow_ns
+                    and _STATE.compiles == gate.compiles
+                    and not _STATE.pending
+                    and _current_autograd_node() is None
+                ):
+                    gate.ends.append(now)
+                    gate.starts.append(now)
+                    gate.last_end = now
+                    gate.left -= 1
+                    gate.steady += 1
+                    local.depth = 1
+                    try:
+                        return original(self, *args, **kwargs)
+                    finally:
+                        local.depth = 0
+            elif key == gate.key and (gate.ready or (gate.begun and now - gate.starts[-1] < gate.long_ns)):
                 if gate.ready:
                     gate.starts.append(now)
                     gate.ready = False
@@ -209,6 +232,9 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     # Listeners are entered in ``_enter_all`` only, never from this frame: Dynamo skips that function and all it
     # calls (``_mark_for_dynamo``), not what this frame calls (the module's own forward must compile as usual).
     tokens = _enter_all(listeners, self, args, kwargs)
+    if gate.root_ended and not depth:
+        # The listeners ended a step at this root call and began the next: the next root calls may be steady.
+        steady_steps.reopen_by_root()
     local.depth = depth + 1
     if tokens is None:  # no listener wants this call's exit
         try:
@@ -265,6 +291,7 @@ _Tensor = torch.Tensor
 _get_ident = threading.get_ident
 _main_ident = threading.main_thread().ident
 _perf_counter_ns = time.perf_counter_ns
+_STATE = control.STATE
 _current_autograd_node = torch._C._current_autograd_node  # not None inside a backward
 
 

@@ -267,7 +267,11 @@ class PulseRecorder:
             or poller is None
             or prev is None
             or self.window_id is not None
-            or self.roots.by_root
+            or self.roots.by_root != gate.byroot
+            or (
+                gate.byroot
+                and (self.roots.waiting or self.started_ns is None or self.roots.step_root != gate.module_id)
+            )
             or plan.close_next
             or plan.next is not None
             or plan.open is not None

@@ -19,6 +19,14 @@ that horizon a step is *steady* when:
   period under the slow-step threshold since the last step's end: ``step_points`` appends the end and skips the
   callbacks.
 
+Steps ended by root calls (a serving or generation loop, an evaluation between training steps:
+``collectors/root_steps.py``) are steady the same way (``Gate.byroot``): after a full root call that ended a step
+(``step_points.end_without_optimizer``, then ``reopen(by_root=True)`` once every listener has entered it), a root
+call of the same module, on the main thread and outside any backward, with inputs of the same shapes and dtypes,
+within the horizon and under the slow-step threshold since the last step's end, ends the step in progress and begins
+the next in one timestamp and enters no listener.  Measured on a 7-layer MLP served under ``no_grad`` (~0.65 ms a
+call on a slow VM), every root call had taken the full path: ~78 us a call, 12% of the loop.
+
 Anything else (a slow period, a recompile, a trigger from another thread or process, new input shapes, a second
 root call inside the step, the horizon reached) takes the full path, which first hands the steady steps to the
 collectors (``settle``: each ``Part.absorb`` takes them in one pass, as if each had ended on its own quiet path)
@@ -64,8 +72,8 @@ class Part(Protocol):
 class Gate:
     """Where the fast paths read whether a step may be steady; the steady steps not yet settled."""
 
-    __slots__ = ("begun", "cls", "compiles", "ends", "key", "last_end", "left", "long_ns", "module_id", "ready",
-                 "slow_ns", "starts", "steady", "until_ns")  # fmt: skip
+    __slots__ = ("began_ns", "begun", "byroot", "cls", "compiles", "ends", "key", "last_end", "left", "long_ns",
+                 "module_id", "ready", "root_ended", "slow_ns", "starts", "steady", "until_ns")  # fmt: skip
 
     def __init__(self) -> None:
         self.left = 0  # steady step ends allowed before a full one (0: every step is full)
@@ -82,6 +90,12 @@ class Gate:
         self.starts: list[int] = []
         self.ends: list[int] = []
         self.steady = 0  # steady steps so far (tests, notes)
+        # Steps ended by root calls (see the module's docstring): the steady steps held are such steps, and a root
+        # call that repeats the last full one's ends the step in progress.  Read by the parts' ``horizon`` and
+        # ``absorb`` too (set before the first, cleared after the second).
+        self.byroot = False
+        self.root_ended = False  # a root call's listeners ended a step (``step_points.end_without_optimizer``)
+        self.began_ns = 0  # the start of the step the last full root call began (``began_full``)
 
     def limit(self, steps: int, until_ns: float) -> None:
         if steps < self.left:
@@ -137,8 +151,10 @@ def key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None
     return tuple(out)
 
 
-def began_full(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A step began on the full path with this root call: the next steady steps must repeat it."""
+def began_full(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], start: int = 0) -> None:
+    """A step began on the full path with this root call (at ``start``, ``perf_counter_ns``): the next steady steps
+    must repeat it."""
+    gate.began_ns = start
     k = key(args, kwargs) if _enabled else None
     gate.module_id = id(module) if k is not None else 0  # (0: no module's id; inputs without a key are never steady)
     gate.cls = type(module)
@@ -164,11 +180,13 @@ def settle() -> None:
             internal_errors.current().record("steady steps", type(part).__name__, err)
 
 
-def reopen() -> None:
-    """After a full step end (its callbacks run): the horizon of every part."""
+def reopen(by_root: bool = False) -> None:
+    """After a full step end (its callbacks run): the horizon of every part.  ``by_root``: the step ended at a root
+    call, which began the next one (``reopen_by_root``)."""
     g = gate
     g.left = 0
     g.ready = False
+    g.byroot = by_root
     if not _enabled or not _parts:
         return
     g.left, g.until_ns = MAX_STEPS, 1 << 62
@@ -184,11 +202,29 @@ def reopen() -> None:
     g.ready = True
 
 
+def reopen_by_root() -> None:
+    """After a root call whose listeners ended a step and began the next (``module_calls``, once they have all
+    entered it): the next root calls of the same module may end steps steadily.  The step in progress is held as a
+    steady step begun at its full start (``began_full``), so the parts take it in ``absorb`` with the others."""
+    g = gate
+    g.root_ended = False
+    reopen(by_root=True)
+    if not g.ready or not g.began_ns or g.starts:
+        g.left = 0
+        g.ready = False
+        g.byroot = False
+        return
+    g.ready = False
+    g.starts, g.ends = [g.began_ns], []
+    g.begun = True
+
+
 def close() -> None:
     """No steady step from now on, and those held handed over (a capture that stops, a step ended by a root call)."""
     gate.left = 0
     gate.ready = False
     settle()
+    gate.byroot = False
     gate.module_id, gate.cls, gate.key = 0, None, None
 
 
@@ -197,5 +233,6 @@ def let_go_in_child() -> None:
     global _parts
     gate.left = 0
     gate.starts, gate.ends, gate.begun, gate.ready = [], [], False, False
+    gate.byroot = gate.root_ended = False
     gate.module_id, gate.cls, gate.key = 0, None, None
     _parts = ()

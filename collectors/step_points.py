@@ -131,7 +131,7 @@ def _on_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
     if module_calls.compiling._is_compiling_flag:  # ``torch.compiler.is_compiling()``, without its frames
         return
     gate = _gate
-    if gate.begun and gate.left and id(optimizer) == _leader and _get_ident() == _main_ident:
+    if gate.begun and gate.left and not gate.byroot and id(optimizer) == _leader and _get_ident() == _main_ident:
         # A steady step's end (``collectors/steady_steps.py``): its end taken, no callback called.
         end = _perf_counter_ns()
         state = _STATE
@@ -206,3 +206,4 @@ def end_without_optimizer() -> None:
             callback(None)
         except Exception as err:  # never into the user's forward
             internal_errors.current().record("step hooks", name, err)
+    _gate.root_ended = True  # (``module_calls`` reopens the steady steps once every listener has entered the call)

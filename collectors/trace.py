@@ -157,7 +157,7 @@ class TraceCollector(LongRunMixin):
                     roots = pulse.roots  # ``roots.began(id(module))``, without its frame (every step)
                     roots.step_root = roots.last_root = id(module)
                     pulse.step_begin(args, kwargs)
-                    began_full(module, args, kwargs)  # what the next steady steps' root calls must repeat
+                    began_full(module, args, kwargs, pulse.started_ns)  # what the next steady steps must repeat
                 if is_root and self._prof is not None:
                     root_inputs.append(input_shapes(args, kwargs))
             if self._prof is None or not profiling_here():

@@ -19,6 +19,7 @@ from torch import nn
 
 import tpudiag
 from tpudiag.collectors import steady_steps
+from tpudiag.collectors.root_steps import FIRST_CALLS
 
 S = 1_000_000_000
 # The planted slow step lies between the numerics re-check steps (every 50th): a step the checker watched is not
@@ -188,3 +189,69 @@ def test_a_root_input_whose_shape_raises_never_reaches_the_script(tmp_path: Path
             opt.zero_grad()
     assert steady_steps.gate.steady - before >= 100  # the nested call came while steps were steady
     assert [r[0] for r in _read(db)["pulse"]] == list(range(400))
+
+
+CALLS = 700  # root calls of the served model (each ends a step: collectors/root_steps.py)
+
+
+def _served_loop(db: Path) -> tuple[int, int]:
+    """A serving loop (no optimizer, ``no_grad``): a slow call, a manual trigger, ten calls of other input shapes
+    and a recompile, each long after warm-up; the steady steps it took, and those ended by root calls."""
+    torch._dynamo.reset()
+    model, _ = _mlp()
+    x, small = torch.randn(32, 64), torch.randn(16, 64)
+    static = torch.compile(lambda t: t * 2 + 1, backend="eager", dynamic=False)
+    ones, other = torch.ones(32, 4), torch.ones(8, 4)
+    before = steady_steps.gate.steady
+    by_root = 0
+    starts: list[float] = []
+    with tpudiag.capture(db=db, name="served"), torch.no_grad():
+        for i in range(CALLS):
+            starts.append(time.perf_counter())
+            if i == SLOW:
+                median = statistics.median(b - a for a, b in itertools.pairwise(starts[-200:]))
+                time.sleep(max(0.5, 300 * median))
+            if i == TRIGGER:
+                assert tpudiag.trigger(steps=2)
+            steady = steady_steps.gate.steady
+            model(small if SHAPE <= i < SHAPE + 10 else x)
+            by_root += steady_steps.gate.steady - steady
+            static(other if i == RECOMPILE else ones)
+    return steady_steps.gate.steady - before, by_root
+
+
+def test_steady_root_steps_record_the_serving_run_a_capture_without_them_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps ended by root calls (a serving loop) take the steady path too: the same pulse, windows, op counts and
+    memory readings as a capture without steady steps."""
+    monkeypatch.setenv("TPUDIAG_SLOW_FACTOR", "100")
+    monkeypatch.setenv("TPUDIAG_TRIGGER_INTERVAL_S", "0")
+    steady, by_root = _served_loop(tmp_path / "steady.duckdb")
+    with_gate = _read(tmp_path / "steady.duckdb")
+    monkeypatch.setattr(steady_steps, "_enabled", False)
+    none, _ = _served_loop(tmp_path / "full.duckdb")
+    without = _read(tmp_path / "full.duckdb")
+    assert none == 0
+    assert by_root == steady >= CALLS // 3, (steady, by_root)  # each one a root call's step end
+    for run in (with_gate, without):
+        pulse = run["pulse"]
+        steps = CALLS - (FIRST_CALLS - 1)  # the first calls are warm-up forwards of the first step
+        assert [r[0] for r in pulse] == list(range(steps))
+        assert all(b > a for a, b in itertools.pairwise(r[1] for r in pulse)), "each step starts after the last"
+        assert all(r[2] > 0 for r in pulse)
+        # Every call of the seven linear layers counted once, but the last: its step never ends (no call follows)
+        assert run["addmm"] == 7 * (CALLS - 1), run["addmm"]
+        read = {step: rss for step, rss in run["read"].items() if step >= 20}
+        assert len(read) >= 5 and read == {step: run["memory"].get(step) for step in read}, read
+    # Each record carries its own call's inputs, and each planted event opened its window at the same step.
+    assert [(r[0], r[4]) for r in with_gate["pulse"]] == [(r[0], r[4]) for r in without["pulse"]]
+    shift = FIRST_CALLS - 1
+    shapes = {r[0]: r[4] for r in with_gate["pulse"]}
+    assert {shapes[s - shift] for s in range(SHAPE, SHAPE + 10)} == {"[[16, 64]]"}
+    slow = with_gate["pulse"][SLOW - shift - 1]  # the step the sleep ended in (a step ends at the next call)
+    assert slow[2] >= 0.5 * S
+    reasons = {w[0] for w in with_gate["windows"]}
+    assert {"slow_step", "manual", "recompile"} <= reasons, with_gate["windows"]
+    planted = [w for w in with_gate["windows"] if w[0] in ("slow_step", "manual", "recompile")]
+    assert planted == [w for w in without["windows"] if w[0] in ("slow_step", "manual", "recompile")]

@@ -396,8 +396,15 @@ class SteadyNumerics:
         mode: Any = c._mode
         st = c._steps
         sch = st.schedule
+        # Steps ended by root calls (``steady_steps.Gate.byroot``) are the collector's steps only in a script
+        # without an optimizer step, where its module hook makes them at its root module's calls (``_on_module``).
+        root_steps = gate.byroot and c._opt_steps == 0
+        if root_steps and (c._root is None or id(c._root) != gate.module_id):
+            gate.shut()
+            return
         if (
-            mode is None or not mode.active or c._module_hook_on or c._entered or st.watching or st.rewatch
+            mode is None or not mode.active or (c._module_hook_on and not root_steps) or c._entered or st.watching
+            or st.rewatch
             or st.unmeasured or st.plain_s is None or mode.spent_calls or sch.watch_all or not sch.steady
             or control.STATE.numerics_wanted or st.step + 1 < sch.warmup
         ):  # fmt: skip
@@ -409,7 +416,11 @@ class SteadyNumerics:
         """``_step_end``'s quiet path for each step: counted, its plain time learnt, the schedule moved on."""
         c = self._collector
         n = len(ends)
-        c._opt_steps += n
+        if steady_steps.gate.byroot:
+            if c._opt_steps:
+                return  # an evaluation's root calls between training steps: not this collector's steps
+        else:
+            c._opt_steps += n
         mode: Any = c._mode
         if mode is None:
             return
