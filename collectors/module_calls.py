@@ -232,7 +232,7 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     # Listeners are entered in ``_enter_all`` only, never from this frame: Dynamo skips that function and all it
     # calls (``_mark_for_dynamo``), not what this frame calls (the module's own forward must compile as usual).
     tokens = _enter_all(listeners, self, args, kwargs)
-    if gate.root_ended and not depth:
+    if gate.root_ended and not depth and _get_ident() == _main_ident:
         # The listeners ended a step at this root call and began the next: the next root calls may be steady.
         steady_steps.reopen_by_root()
     local.depth = depth + 1
