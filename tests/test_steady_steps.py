@@ -37,6 +37,18 @@ def _mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
+def _plant(i: int, starts: list[float]) -> None:
+    """Iteration ``i``'s start, and what is planted before its step: the slow step's sleep, the manual trigger."""
+    starts.append(time.perf_counter())
+    if i == SLOW:
+        # Far over the judged threshold (TPUDIAG_SLOW_FACTOR x the median step) on any machine: a CI machine whose
+        # median step under capture was over 5 ms saw a fixed 0.5 s sleep as no outlier.
+        median = statistics.median(b - a for a, b in itertools.pairwise(starts[-200:]))
+        time.sleep(max(0.5, 300 * median))
+    if i == TRIGGER:
+        assert tpudiag.trigger(steps=2)
+
+
 def _planted_loop(db: Path) -> int:
     """A training loop with a slow step, a manual trigger, ten steps of other input shapes and a recompile, each
     long after warm-up; the steady steps it took."""
@@ -49,14 +61,7 @@ def _planted_loop(db: Path) -> int:
     starts: list[float] = []
     with tpudiag.capture(db=db, name="steady"):
         for i in range(STEPS):
-            starts.append(time.perf_counter())
-            if i == SLOW:
-                # Far over the judged threshold (TPUDIAG_SLOW_FACTOR x the median step) on any machine: a CI
-                # machine whose median step under capture was over 5 ms saw a fixed 0.5 s sleep as no outlier.
-                median = statistics.median(b - a for a, b in itertools.pairwise(starts[-200:]))
-                time.sleep(max(0.5, 300 * median))
-            if i == TRIGGER:
-                assert tpudiag.trigger(steps=2)
+            _plant(i, starts)
             opt.zero_grad()
             model(small if SHAPE <= i < SHAPE + 10 else x).square().mean().backward()
             static(other if i == RECOMPILE else ones)
@@ -207,12 +212,7 @@ def _served_loop(db: Path) -> tuple[int, int]:
     starts: list[float] = []
     with tpudiag.capture(db=db, name="served"), torch.no_grad():
         for i in range(CALLS):
-            starts.append(time.perf_counter())
-            if i == SLOW:
-                median = statistics.median(b - a for a, b in itertools.pairwise(starts[-200:]))
-                time.sleep(max(0.5, 300 * median))
-            if i == TRIGGER:
-                assert tpudiag.trigger(steps=2)
+            _plant(i, starts)
             steady = steady_steps.gate.steady
             model(small if SHAPE <= i < SHAPE + 10 else x)
             by_root += steady_steps.gate.steady - steady
