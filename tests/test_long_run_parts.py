@@ -355,6 +355,24 @@ def test_background_allowance_grows_with_time() -> None:
     assert not bg.affords(0.05, now_s=108.0)
 
 
+def test_boost_allowance_keeps_what_a_horizon_holds_whatever_the_run_length() -> None:
+    from tpudiag.collectors.numerics.sampling import BOOST_HORIZON_S, BOOST_PCT, Background
+
+    most = BOOST_PCT / 100.0 * BOOST_HORIZON_S
+    hour3 = 3 * 3600.0
+    boost = Background(pct=BOOST_PCT, since_s=0.0, horizon_s=BOOST_HORIZON_S)
+    assert boost.affords(most, now_s=hour3) and not boost.affords(most * 1.5, now_s=hour3)  # not 9 minutes' worth
+    boost.charge(most)
+    assert not boost.affords(most / 10, now_s=hour3 + 1.0)  # spent: it refills at BOOST_PCT of the time
+    assert boost.affords(most / 10, now_s=hour3 + 1.0 + BOOST_HORIZON_S / 10)
+    # A step that costs more than the horizon holds still gets its turn, once that much has accrued.
+    big = Background(pct=BOOST_PCT, since_s=0.0, horizon_s=BOOST_HORIZON_S)
+    assert not big.affords(2 * most, now_s=1.5 * BOOST_HORIZON_S)
+    assert big.affords(2 * most, now_s=hour3)
+    # Without a horizon (the re-checks' allowance) everything not spent is kept.
+    assert Background(pct=BOOST_PCT, since_s=0.0).affords(most * 1.5, now_s=hour3)
+
+
 def test_poller_reads_each_request_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "r1"
     poller = manual.Poller(manual.trigger_folders(run_dir), 0.0)

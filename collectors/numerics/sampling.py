@@ -334,22 +334,36 @@ class StepSchedule:
 # it, and the capture stays near its 0.97x throughput target (1% had cost ~1.3% of that run with the boundaries
 # uncharged).
 BACKGROUND_PCT = 0.5
-# Without --budget, the steps of trigger windows (numerics fully on) spend at most this share of the run's time.
+# Without --budget, the steps of trigger windows (numerics fully on) spend at most this share of the run's time ...
 BOOST_PCT = 5.0
+# ... and what they have not spent is kept for at most this many seconds of the run: a window spends at most
+# BOOST_PCT of that at once (6 s), or one watched step's cost where a step costs more.  Without it the allowance
+# grew with the run: at hour three one window could have checked every op for nine minutes.
+BOOST_HORIZON_S = 120.0
 
 
 @dataclass
 class Background:
-    """The allowance of periodic re-check steps when no ``--budget`` is given (see ``BACKGROUND_PCT``)."""
+    """The allowance of periodic re-check steps when no ``--budget`` is given (see ``BACKGROUND_PCT``).
+
+    ``horizon_s``: what was not spent is kept for that many seconds only (a bucket that holds ``pct`` of it, or
+    one step's ``cost_s`` where that is more): the most it lets through at once does not grow with the run."""
 
     pct: float = BACKGROUND_PCT
     since_s: float | None = None
     spent_s: float = 0.0
+    horizon_s: float | None = None
 
     def affords(self, cost_s: float, now_s: float) -> bool:
         if self.since_s is None:
             self.since_s = now_s
-        return self.spent_s + cost_s <= self.pct / 100.0 * (now_s - self.since_s)
+        left = self.pct / 100.0 * (now_s - self.since_s) - self.spent_s
+        if self.horizon_s is not None:
+            most = max(self.pct / 100.0 * self.horizon_s, cost_s)
+            if left > most:  # the bucket is full: what would overflow it is forfeited
+                self.spent_s += left - most
+                left = most
+        return cost_s <= left
 
     def charge(self, cost_s: float) -> None:
         self.spent_s += max(cost_s, 0.0)

@@ -441,7 +441,7 @@ class StepState:
     """Where the step schedule stands (see ``sampling.StepSchedule``)."""
 
     def __init__(self) -> None:
-        from tpudiag.collectors.numerics.sampling import BOOST_PCT, Background, StepSchedule
+        from tpudiag.collectors.numerics.sampling import BOOST_HORIZON_S, BOOST_PCT, Background, StepSchedule
 
         self.schedule = StepSchedule()
         self.step = 0
@@ -463,7 +463,8 @@ class StepState:
         self.rewatches = 0
         self.background = Background()  # periodic re-check steps without --budget (issue 21)
         self.background_step = False  # the current step is one
-        self.boost_budget = Background(pct=BOOST_PCT, since_s=0.0)  # trigger windows' steps without --budget
+        # Trigger windows' steps without --budget (their clock: seconds since the mode started).
+        self.boost_budget = Background(pct=BOOST_PCT, since_s=0.0, horizon_s=BOOST_HORIZON_S)
         self.boost_step = False
         self.pending_replays: dict[str, int] = {}  # reason -> whole unwatched steps not yet recorded (``_replay``)
         self.pending_seq = 0
