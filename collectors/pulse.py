@@ -43,6 +43,7 @@ import torch  # the capture has it loaded: this module is imported when a captur
 from tpudiag import internal_errors
 from tpudiag.collectors.root_steps import RootSteps
 from tpudiag.longrun import control, probes
+from tpudiag.longrun.manual import POLL_S
 from tpudiag.longrun.stride import Stride
 from tpudiag.longrun.triggers import MEDIAN_EVERY, SlowSteps
 from tpudiag.plugins import CaptureContext
@@ -284,7 +285,9 @@ class PulseRecorder:
         to_ns = 1e9
         offset = self._monotonic_offset
         # (``_due``'s step count, the rolling median's refresh, waits for the next full step; its clocks do not)
-        until = min(self._due_ns, (poller.next_s - offset) * to_ns)
+        # A manual trigger's poll due waits up to one more POLL_S for a full step that comes anyway (a reading's,
+        # every ``Stride.every_s``): a request is seen within a second, and polls add no full steps of their own.
+        until = min(self._due_ns, (poller.next_s + POLL_S - offset) * to_ns)
         steps = 1 << 30
         # The schedule is due once the step reaches ``quiet[0]`` and the clock ``quiet[1]``: before either, quiet.
         now_s = prev * 1e-9 + offset

@@ -49,7 +49,7 @@ import torch
 from tpudiag import internal_errors
 from tpudiag.collectors import root_steps
 
-MAX_STEPS = 64  # steady steps held before the collectors take them, whatever the horizons say
+MAX_STEPS = 256  # steady steps held before the collectors take them, whatever the horizons say (~1 s of 5 ms steps)
 _Tensor = torch.Tensor
 _SCALARS = (type(None), bool, int, float, str)
 

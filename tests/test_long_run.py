@@ -223,6 +223,7 @@ def test_a_full_run_folder_degrades_the_capture_not_the_script(tmp_path: Path) -
 
 
 GROWING = """
+import time
 import torch
 model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -234,6 +235,7 @@ for step in range(200):
     opt.step()
     if step >= 130:
         kept.append(torch.ones(2 << 20))  # 8 MiB more held every step: a leak
+        time.sleep(0.03)  # for 2 s at least: readings are 0.5 s apart on fast steps (tpudiag.longrun.stride)
 print("steps", step + 1, "held", len(kept))
 """
 
@@ -264,7 +266,7 @@ def test_memory_growth_opens_a_memory_window_and_the_pulse_carries_memory(tmp_pa
     con.close()
     assert len(rows) == 200
     rss = {step: json.loads(f)["memory.rss_bytes"] for step, f in rows if f}
-    # Every one of the first window's steps has its reading; later fast steps one per 50 ms (tpudiag.longrun.stride),
+    # Every one of the first window's steps has its reading; later fast steps one per 0.5 s (tpudiag.longrun.stride),
     # the others read None, never a copied value.  How many later steps are read depends on this machine's speed.
     assert all(step in rss for step in range(20))
     later = sorted(step for step in rss if step >= 20)

@@ -16,6 +16,7 @@ from tests.conftest import steps_and_windows
 from tpudiag import internal_errors
 from tpudiag.collectors import module_calls, root_steps, step_points
 from tpudiag.collectors.root_steps import FIRST_CALLS, LONG_STEP_MEDIANS, LONG_STEP_S, RootSteps
+from tpudiag.longrun import stride
 from tpudiag.store import Store
 
 S = 1_000_000_000  # ns
@@ -143,6 +144,7 @@ def test_an_evaluation_after_training_gets_steps_and_a_window_opened_in_it_close
     closes after its steps, and the memory readings follow the same steps.  (Before: the evaluation was one step, and
     a window could neither open nor close in it.)"""
     monkeypatch.setattr(root_steps, "LONG_STEP_S", 0.3)
+    monkeypatch.setattr(stride, "EVERY_S", 0.05)  # readings enough in a second of evaluation
     db = tmp_path / "run.duckdb"
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -20,6 +20,7 @@ from torch import nn
 import tpudiag
 from tpudiag.collectors import steady_steps
 from tpudiag.collectors.root_steps import FIRST_CALLS
+from tpudiag.longrun import stride
 
 S = 1_000_000_000
 # The planted slow step lies between the numerics re-check steps (every 50th): a step the checker watched is not
@@ -112,6 +113,7 @@ def test_steady_steps_record_the_run_a_capture_without_them_records(
     # window opened anyway does not hold back the planted one by the per-reason rate limit.
     monkeypatch.setenv("TPUDIAG_SLOW_FACTOR", "100")
     monkeypatch.setenv("TPUDIAG_TRIGGER_INTERVAL_S", "0")
+    monkeypatch.setattr(stride, "EVERY_S", 0.05)  # memory readings enough to compare in a few seconds' run
     steady = _planted_loop(tmp_path / "steady.duckdb")
     with_gate = _read(tmp_path / "steady.duckdb")
     monkeypatch.setattr(steady_steps, "_enabled", False)
@@ -227,6 +229,7 @@ def test_steady_root_steps_record_the_serving_run_a_capture_without_them_records
     memory readings as a capture without steady steps."""
     monkeypatch.setenv("TPUDIAG_SLOW_FACTOR", "100")
     monkeypatch.setenv("TPUDIAG_TRIGGER_INTERVAL_S", "0")
+    monkeypatch.setattr(stride, "EVERY_S", 0.05)  # memory readings enough to compare in a 700-call run
     steady, by_root = _served_loop(tmp_path / "steady.duckdb")
     with_gate = _read(tmp_path / "steady.duckdb")
     monkeypatch.setattr(steady_steps, "_enabled", False)

@@ -365,5 +365,13 @@ class Background:
                 left = most
         return cost_s <= left
 
+    def wait_s(self, cost_s: float, now_s: float) -> float:
+        """Seconds from ``now_s`` before ``affords(cost_s, ...)`` can be true, nothing more being charged (0: now,
+        or the allowance has not begun counting)."""
+        if self.since_s is None or self.pct <= 0:
+            return 0.0
+        need = cost_s - (self.pct / 100.0 * (now_s - self.since_s) - self.spent_s)
+        return need / (self.pct / 100.0) if need > 0 else 0.0
+
     def charge(self, cost_s: float) -> None:
         self.spent_s += max(cost_s, 0.0)

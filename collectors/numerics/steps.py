@@ -176,6 +176,21 @@ class StepBoundaries:
             st.unwatched[st.reason] = st.unwatched.get(st.reason, 0) + 1
             st.reason = "steady_state"
             quiet -= 1
+        # Re-check steps (``step % every``) begun among these steps or as the step now in progress, while the
+        # background allowance could not afford one (``SteadyNumerics.horizon`` lets steady steps run past them):
+        # ``budget`` steps, as ``_boundary`` would have counted them.  (On the quiet path, and when steady steps stop
+        # before a re-check step, there is none.)
+        every, last = st.schedule.every, st.step + n
+        refused = (last - 1) // every - st.step // every
+        if refused:
+            st.unwatched["budget"] = st.unwatched.get("budget", 0) + refused
+            if st.profile and self._recorder is not None:
+                if not st.pending_replays:
+                    st.pending_seq = mode.seq
+                st.pending_replays["budget"] = st.pending_replays.get("budget", 0) + refused
+            quiet -= refused
+        if last % every == 0:
+            st.reason = "budget"
         if quiet:
             if not st.quiet_steps:
                 st.quiet_seq = mode.seq
@@ -410,7 +425,17 @@ class SteadyNumerics:
         ):  # fmt: skip
             gate.shut()
             return
-        gate.limit((-(st.step + 1)) % sch.every, float("inf"))  # up to the next re-check step (``step % every``)
+        steps, until = (-(st.step + 1)) % sch.every, float("inf")  # up to the next re-check step (``step % every``)
+        if mode.budget.pct is None:
+            # Without --budget a re-check step waits for the background allowance (``_boundary``): until it affords
+            # one, each ``step % every`` step would end on the full path only to be refused (every 50 steps, where
+            # the allowance affords one every few seconds).  Steady until then; the refused ones are counted as
+            # they were (``_quiet_steps``).
+            now = time.perf_counter()
+            wait = st.background.wait_s(st.watch_cost_s, now)
+            if wait > 0:
+                steps, until = 1 << 30, (now + wait) * 1e9
+        gate.limit(steps, until)
 
     def absorb(self, starts: list[int], ends: list[int]) -> None:
         """``_step_end``'s quiet path for each step: counted, its plain time learnt, the schedule moved on."""

@@ -1,7 +1,7 @@
 """When memory growth asks for a ``memory`` trace window (pure: the figures are passed in).
 
 Growth is judged on the *lowest* live bytes of each run of ``span`` steps (on fast steps the latest reading, taken
-every 50 ms: ``tpudiag.longrun.stride``), not on single readings: a trace window,
+every 0.5 s: ``tpudiag.longrun.stride``), not on single readings: a trace window,
 a checked stretch or one large temporary raises a reading for a few steps and falls back, while a leak raises the
 floor under every step.  Judging single readings set off ``memory`` windows of tpudiag's own making (each window's
 profiler and checker memory lifted the host RSS past the threshold, and the next window did it again).
@@ -19,7 +19,7 @@ script grew at that rate over the same steps; then ``b`` is judged.  So a window
 leak that keeps opening windows is still found on the second span after each (an earlier version skipped a span
 and absorbed all growth across it: a leak that opened ``slow_step`` windows every few dozen steps hid under them).
 
-Held readings (issue 21: the memory collector's per-step cost).  On fast steps the reading is held for ~35 steps
+Held readings (issue 21: the memory collector's per-step cost).  On fast steps the reading is held for ~100 steps
 between two samples, and ``see`` on such a step only counts it.  After each ``see`` outside a window, ``quiet`` is
 how many more steps of the same reading outside a window would decide nothing (the span does not close in them
 and does not begin in them): the caller may count such a step as ``pending`` (``quiet -= 1; pending += 1``) instead

@@ -16,7 +16,7 @@ A probe may also ask for a trigger window (``control.request("memory", ...)``) w
 A collector that takes its readings in its own step hook ahead of the pulse's (``collectors/step_points.py``
 ``READ``) publishes them instead: ``probes.publish(name, figures)`` puts them in the record of the step that is
 ending, once; steps with nothing published carry no figures of that name.  The pulse then pays nothing on the steps
-between readings (the memory collector reads every 50 ms on fast steps).
+between readings (the memory collector reads every 0.5 s on fast steps).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Per-step readings thinned out on fast steps (issue 21: the pulse costs at most about 1% of a step).
 
 A reading that touches the device or the kernel (the pulse's gradient check, the memory collector's sample) costs
-10-50 us on a step whose caches the script has just filled: on a 1.5 ms step that is 1-3% each.  So, after the
-first window's steps (every step read, as a short script always was), a reading is taken only when ``every_s``
-(50 ms) has passed since the last one: every step of a job whose steps take 50 ms or more, about one step in thirty
-of a 1.5 ms loop.  (Every 10 ms, the two readings still cost ~0.6% of the bench loop's step.)  A step without a
-reading records None (unknown), never a copied value.
+10-50 us on a step whose caches the script has just filled, and it makes its step a full one (``steady_steps``: the
+collectors' step-end work, ~300 us on the long-run bench's slow VM, where a steady step takes two timestamps).  So,
+after the first window's steps (every step read, as a short script always was), a reading is taken only when
+``every_s`` (0.5 s) has passed since the last one: every step of a job whose steps take 0.5 s or more, about one step
+in a hundred of a 5 ms loop.  (Every 50 ms, the readings' full steps cost ~0.6% of the bench loop's time.)  A step
+without a reading records None (unknown), never a copied value.
 
 What a reading watches for lasts (a NaN in a gradient reaches every parameter through the update, a leak stays),
 so a thinned reading finds it at most ``every_s`` later.
@@ -13,16 +14,16 @@ so a thinned reading finds it at most ``every_s`` later.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tpudiag.longrun.schedule import FIRST_STEPS
 
-EVERY_S = 0.05
+EVERY_S = 0.5
 
 
 @dataclass
 class Stride:
-    every_s: float = EVERY_S
+    every_s: float = field(default_factory=lambda: EVERY_S)  # (read when made: a test may set the module's)
     first_steps: int = FIRST_STEPS
     _last: float = float("-inf")
 
