@@ -258,3 +258,37 @@ def test_steady_root_steps_record_the_serving_run_a_capture_without_them_records
     assert {"slow_step", "manual", "recompile"} <= reasons, with_gate["windows"]
     planted = [w for w in with_gate["windows"] if w[0] in ("slow_step", "manual", "recompile")]
     assert planted == [w for w in without["windows"] if w[0] in ("slow_step", "manual", "recompile")]
+
+
+def test_a_steady_loop_takes_few_full_steps_and_counts_every_call(tmp_path: Path) -> None:
+    """Past its first window a fast loop's full steps come a few times a second (a reading every 0.5 s, batches of
+    up to 256 steps, the numerics collector's re-check steps only when its allowance affords one), not every 10th
+    step; the steps it passed over are still counted, each call once."""
+    model, opt = _mlp()
+    x = torch.randn(32, 64)
+    warm, n = 400, 2500
+    db = tmp_path / "few.duckdb"
+    with tpudiag.capture(db=db, name="few-full"):
+        for i in range(warm + n):
+            if i == warm:
+                steady0, t0 = steady_steps.gate.steady, time.perf_counter()
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        seconds = time.perf_counter() - t0
+        full = n - (steady_steps.gate.steady - steady0)
+    # ~3 a second here (readings, re-checks, hand-offs); ~22 before (readings every 50 ms, batches of 64, and the
+    # numerics collector's every 50th step, whose re-check its allowance mostly refused).
+    assert full <= 8 * seconds + 4, (full, seconds)
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        calls = dict(
+            con.execute(
+                "SELECT skip_reason, sum(calls) FROM ops WHERE op = 'aten::addmm' AND phase = 'forward'"
+                " GROUP BY skip_reason"
+            ).fetchall()
+        )
+    finally:
+        con.close()
+    assert sum(calls.values()) == 7 * (warm + n), calls  # every call counted once, checked or not
+    assert calls.get("steady_state", 0) > 7 * n // 2, calls
