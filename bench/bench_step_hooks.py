@@ -10,9 +10,12 @@ wrappers removed in its class mode), so its frames on module calls are counted i
 the mean main-thread CPU time of its steps (the mean, not the median: most steps of a block are steady, and the
 few full steps among them, where the collectors take the steady ones in a batch, are part of the cost: see
 ``collectors/steady_steps.py``); blocks with a trace window open are left out (windows are the whole-run
-benchmark's business).  Neighbouring blocks see the same machine, so the median over neighbouring pairs
-of the on-block minus the off-block is the hooks' cost per step, and its share of the off median is the figure to
-hold to the issue's 1%.
+benchmark's business).  A block is 100 steps (~0.5 s on the slow VM), all of them counted: full steps come by the
+clock (a reading every 0.5 s, ``tpudiag.longrun.stride``), and a block holds about the share of them a run has, or
+a little more (one falls due during each off block).  Before session 28 a block was 20 steps with its first two
+left out: the reading that fell due during the off block was on one of them, so most full steps went uncounted.
+Neighbouring blocks see the same machine, so the median over neighbouring pairs of the on-block minus the off-block
+is the hooks' cost per step, and its share of the off median is the figure to hold to the issue's 1%.
 
     python -m bench.run step_hooks         # BENCH_HOOKS_ROUNDS captures of each kind (default 3)
 
@@ -31,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-K = 20
-BLOCKS = int(os.environ.get("BENCH_HOOKS_BLOCKS", 300))
+K = 100
+BLOCKS = int(os.environ.get("BENCH_HOOKS_BLOCKS", 60))
 ROUNDS = int(os.environ.get("BENCH_HOOKS_ROUNDS", 3))
 WARM_STEPS = 2000  # past the first window's steps and the numerics warm-up
 TARGET_PCT = 1.0
@@ -90,7 +93,7 @@ def _round(db: Path, collect: str | None = None, serving: bool = False) -> dict[
             if not hooked:
                 hooks.update(saved)
                 _put_back(module_calls, wrapped)
-            mean = statistics.fmean(times[2:]) if not torch._C._autograd._profiler_enabled() else None
+            mean = statistics.fmean(times) if not torch._C._autograd._profiler_enabled() else None
             if hooked:
                 on_mean = mean
                 class_blocks += module_calls.class_mode()
