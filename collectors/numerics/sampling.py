@@ -357,7 +357,7 @@ class Background:
     def affords(self, cost_s: float, now_s: float) -> bool:
         if self.since_s is None:
             self.since_s = now_s
-        left = self.pct / 100.0 * (now_s - self.since_s) - self.spent_s
+        left = self._left(now_s)
         if self.horizon_s is not None:
             most = max(self.pct / 100.0 * self.horizon_s, cost_s)
             if left > most:  # the bucket is full: what would overflow it is forfeited
@@ -365,12 +365,17 @@ class Background:
                 left = most
         return cost_s <= left
 
+    def _left(self, now_s: float) -> float:
+        """The allowance earned since it began counting (none before), less what was spent."""
+        since = now_s if self.since_s is None else self.since_s
+        return self.pct / 100.0 * (now_s - since) - self.spent_s
+
     def wait_s(self, cost_s: float, now_s: float) -> float:
         """Seconds from ``now_s`` before ``affords(cost_s, ...)`` can be true, nothing more being charged (0: now,
         or the allowance has not begun counting)."""
         if self.since_s is None or self.pct <= 0:
             return 0.0
-        need = cost_s - (self.pct / 100.0 * (now_s - self.since_s) - self.spent_s)
+        need = cost_s - self._left(now_s)
         return need / (self.pct / 100.0) if need > 0 else 0.0
 
     def charge(self, cost_s: float) -> None:

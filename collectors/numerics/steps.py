@@ -185,9 +185,7 @@ class StepBoundaries:
         if refused:
             st.unwatched["budget"] = st.unwatched.get("budget", 0) + refused
             if st.profile and self._recorder is not None:
-                if not st.pending_replays:
-                    st.pending_seq = mode.seq
-                st.pending_replays["budget"] = st.pending_replays.get("budget", 0) + refused
+                st.pend("budget", refused, mode.seq)
             quiet -= refused
         if last % every == 0:
             st.reason = "budget"
@@ -324,9 +322,7 @@ class StepBoundaries:
         if not profile or self._recorder is None:
             return
         if seen is None:
-            if not st.pending_replays:
-                st.pending_seq = self._mode.seq
-            st.pending_replays[reason] = st.pending_replays.get(reason, 0) + 1
+            st.pend(reason, 1, self._mode.seq)
             return
         seq = self._mode.seq
         for (op, phase), (calls, flops) in profile.items():
@@ -344,9 +340,7 @@ class StepBoundaries:
         st.quiet_steps = 0
         st.unwatched["steady_state"] = st.unwatched.get("steady_state", 0) + n
         if st.profile and self._recorder is not None:
-            if not st.pending_replays:
-                st.pending_seq = st.quiet_seq
-            st.pending_replays["steady_state"] = st.pending_replays.get("steady_state", 0) + n
+            st.pend("steady_state", n, st.quiet_seq)
 
     def _replay_pending(self) -> None:
         """Record the counted unwatched steps' calls (``_replay``) from the profile they repeated."""
@@ -495,6 +489,13 @@ class StepState:
         self.pending_seq = 0
         self.quiet_steps = 0  # ``steady_state`` steps ``_step_end`` counted, not yet in ``unwatched``
         self.quiet_seq = 0  # the sequence number at the first of them
+
+    def pend(self, reason: str, n: int, seq: int) -> None:
+        """``n`` more whole unwatched steps skipped for ``reason``, to be recorded by ``_replay_pending`` (at ``seq``,
+        the sequence number of the first step pending, when none was)."""
+        if not self.pending_replays:
+            self.pending_seq = seq
+        self.pending_replays[reason] = self.pending_replays.get(reason, 0) + n
 
 
 def input_signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
