@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import os
+import pkgutil
 import runpy
 import signal
 import sys
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,13 +108,42 @@ def _strip_runner_frames(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
+def _run_script_file(path: str) -> dict[str, object]:
+    """``runpy.run_path(path, run_name="__main__")`` for a script (source or compiled) file, ``sys.argv`` left as it
+    is: ``run_path`` sets ``sys.argv[0]`` to the path it runs, where python gives the script the path as typed in
+    ``sys.argv[0]`` and the joined one in ``__file__``."""
+    with io.open_code(path) as f:
+        code = pkgutil.read_code(f)  # a .pyc file (None for source)
+    if code is None:
+        with io.open_code(path) as f:
+            code = compile(f.read(), path, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=path, __cached__=None, __loader__=None, __package__=None, __spec__=None)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+    return module.__dict__
+
+
 def _print_exception(exc: BaseException) -> str:
+    """Print an exception the script did not catch as python does: through ``sys.excepthook`` (the script's own if
+    it set one; else the interpreter's, which on 3.11 adds what ``traceback`` does not, e.g. "Did you mean")."""
     tb = _strip_runner_frames(exc.__traceback__)
-    lines = traceback.format_exception(type(exc), exc, tb)
-    text = "".join(lines)
-    sys.stderr.write(text)
+    exc.__traceback__ = tb  # (the interpreter's hook prints the exception's own traceback, not its argument)
+    summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    try:
+        sys.excepthook(type(exc), exc, tb)
+    except Exception as hook_err:  # as python does when the hook itself fails
+        sys.stderr.write("Error in sys.excepthook:\n")
+        sys.__excepthook__(type(hook_err), hook_err, hook_err.__traceback__)
+        sys.stderr.write("\nOriginal exception was:\n")
+        sys.__excepthook__(type(exc), exc, tb)
     sys.stderr.flush()
-    return traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return summary
 
 
 def _exit_code_of(exc: SystemExit) -> int:
@@ -179,14 +211,20 @@ def run(target: Target) -> Outcome:
         forget_child = forks.on_child("sigterm", _default_sigterm)
     try:
         if target.kind == "script":
-            script = os.path.abspath(target.name)
+            # As python sets them: ``__file__`` (and the file name in the script's tracebacks) is the path as given,
+            # joined to the working directory and not normalized ("/cwd/./x.py"); ``sys.path[0]`` is the real
+            # directory of a script file (a symbolic link resolved), a directory or zip file itself.
+            script = target.name if os.path.isabs(target.name) else os.path.join(os.getcwd(), target.name)
             sys.argv = [target.name, *target.args]
-            script_dir = script if os.path.isdir(script) else os.path.dirname(script)
+            script_dir = script if os.path.isdir(script) else os.path.dirname(os.path.realpath(script))
             if sys.path:
                 sys.path[0] = script_dir
             else:
                 sys.path.insert(0, script_dir)
-            _SCRIPT_GLOBALS.append(runpy.run_path(target.name, run_name="__main__"))
+            if os.path.isfile(script):
+                _SCRIPT_GLOBALS.append(_run_script_file(script))
+            else:  # a directory or zip file with a __main__.py
+                _SCRIPT_GLOBALS.append(runpy.run_path(target.name, run_name="__main__"))
         else:
             sys.argv = [target.name, *target.args]  # run_module replaces argv[0] with the module's file
             if sys.path:
