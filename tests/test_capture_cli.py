@@ -135,6 +135,24 @@ def test_module_mode_with_relative_imports(tmp_path: Path, db: Path) -> None:
     assert run["name"] == "mod-run" and run["script"] == "-m pkg.tool" and run["argv"] == ["21"]
 
 
+def test_the_tpudiag_command_finds_a_module_in_the_working_directory_as_python_m_does(tmp_path: Path, db: Path) -> None:
+    # The console script's own directory is its sys.path[0], not the working directory (``python -m tpudiag``, as
+    # the other tests run it, has the working directory there and hid this: "no module named 'pkg'").
+    _write(tmp_path / "pkg" / "__init__.py", "")
+    _write(tmp_path / "pkg" / "tool.py", "import sys\nprint('tool', sys.argv[1:], __spec__.name)\n")
+    exe = Path(sys.executable).with_name("tpudiag")
+    env = {k: v for k, v in os.environ.items() if k not in ("TPUDIAG_DB", "PYTHONPATH")}
+    out = subprocess.run(
+        [str(exe), "capture", "--db", str(db), *NO_COLLECTORS, "-m", "pkg.tool", "a"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    direct = subprocess.run(
+        [sys.executable, "-m", "pkg.tool", "a"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0 == direct.returncode, out.stderr
+    assert out.stdout == direct.stdout == "tool ['a'] pkg.tool\n"
+
+
 @pytest.mark.parametrize("code", [0, 3, 255])
 def test_exit_status_is_the_scripts(tmp_path: Path, db: Path, code: int) -> None:
     script = _write(tmp_path / "exit.py", f"import sys\nsys.exit({code})\n")

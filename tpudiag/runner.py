@@ -86,10 +86,16 @@ def check_target(target: Target) -> None:
         if path.is_dir() and not (path / "__main__.py").exists():
             raise UsageError(f"can't find '__main__' module in {target.name!r}")
         return
+    # Looked for where ``python -m`` looks (and ``run`` runs it): the working directory first, not the directory of
+    # the ``tpudiag`` command.
+    saved = sys.path[:1]
+    sys.path[:1] = [os.getcwd()]
     try:
         spec = importlib.util.find_spec(target.name)
     except (ImportError, ValueError) as err:
         raise UsageError(f"no module named {target.name!r} ({err})") from None
+    finally:
+        sys.path[:1] = saved
     if spec is None:
         raise UsageError(f"no module named {target.name!r}")
 
