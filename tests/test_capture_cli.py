@@ -79,7 +79,9 @@ def test_a_relative_or_linked_script_sees_file_and_path_as_with_python(tmp_path:
         """
         import json, sys
         import helper
-        print(json.dumps({"argv0": sys.argv[0], "path0": sys.path[0], "file": __file__, "value": helper.VALUE}))
+        names = sorted((k, type(v).__name__) for k, v in dict(globals()).items())  # __loader__, __builtins__, ...
+        print(json.dumps({"argv0": sys.argv[0], "path0": sys.path[0], "file": __file__, "value": helper.VALUE,
+                          "globals": names}))
         """,
     )
     (tmp_path / "links").mkdir()

@@ -7,7 +7,10 @@ Python prints it, with tpudiag's own frames removed).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import io
 import os
@@ -120,11 +123,17 @@ def _run_script_file(path: str) -> dict[str, object]:
     ``sys.argv[0]`` and the joined one in ``__file__``."""
     with io.open_code(path) as f:
         code = pkgutil.read_code(f)  # a .pyc file (None for source)
+    loader: importlib.abc.FileLoader = importlib.machinery.SourcelessFileLoader("__main__", path)
     if code is None:
         with io.open_code(path) as f:
             code = compile(f.read(), path, "exec", dont_inherit=True)
+        loader = importlib.machinery.SourceFileLoader("__main__", path)
+    # The globals python's own __main__ has (``add_main_module``, then the file's loader).
     module = types.ModuleType("__main__")
-    module.__dict__.update(__file__=path, __cached__=None, __loader__=None, __package__=None, __spec__=None)
+    module.__dict__.update(
+        __annotations__={}, __builtins__=builtins, __file__=path, __cached__=None, __loader__=loader,
+        __package__=None, __spec__=None,
+    )  # fmt: skip
     saved = sys.modules.get("__main__")
     sys.modules["__main__"] = module
     try:
