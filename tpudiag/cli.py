@@ -412,7 +412,31 @@ def console_main() -> None:
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
+    from tpudiag import runner
+
+    if runner.ended_by_signal is not None:
+        die_of(runner.ended_by_signal)
     sys.exit(code)
+
+
+def die_of(sig: int) -> None:
+    """End this process as python ends a script that a signal ended: its non-daemon threads joined and its exit
+    handlers run (the interpreter's own order), then killed by ``sig`` with the default action.  Returns only if
+    the signal cannot be delivered (the caller exits with its code, as before)."""
+    import atexit
+    import signal
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # what finalization does first (waits for threads)
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        signal.pthread_kill(threading.get_ident(), sig)  # (to this thread: delivered before the call returns)
+    except Exception:  # (a handler that raises is printed by atexit itself, as python prints it)
+        return
 
 
 if __name__ == "__main__":

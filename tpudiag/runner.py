@@ -52,6 +52,11 @@ class Outcome:
 # its worker thread while holding the GIL that thread waits for (a hang seen in torchrun workers under capture).
 _SCRIPT_GLOBALS: list[dict[str, object]] = []
 
+# The signal the script ended by (``run``): SIGINT for a KeyboardInterrupt it did not catch, SIGTERM for the signal.
+# Python dies of it (after its exit handlers, for SIGINT): the ``tpudiag`` command does too, once the run is stored
+# (``cli.console_main``), so the parent sees the status it would see without tpudiag (-2 / -15, not 130 / 143).
+ended_by_signal: int | None = None
+
 
 # Called with the exception that ends the script, before its traceback is printed (the memory collector reads an
 # out-of-memory error there).  A listener must not print or raise; what it raises is dropped.
@@ -161,6 +166,12 @@ def _print_exception(exc: BaseException) -> str:
     return summary
 
 
+def _ended_by(sig: int) -> None:
+    global ended_by_signal
+    if not forks.in_child():
+        ended_by_signal = sig
+
+
 def _exit_code_of(exc: SystemExit) -> int:
     code = exc.code
     if code is None:
@@ -251,8 +262,10 @@ def run(target: Target) -> Outcome:
         return Outcome(code, "ok" if code == 0 else "failed", None if code == 0 else f"SystemExit({exc.code!r})")
     except KeyboardInterrupt as exc:
         _print_exception(exc)
+        _ended_by(signal.SIGINT)
         return Outcome(130, "interrupted", "KeyboardInterrupt")
     except Terminated:
+        _ended_by(signal.SIGTERM)
         return Outcome(143, "interrupted", "SIGTERM")
     except BaseException as exc:
         tell_failure(exc)
