@@ -69,9 +69,12 @@ def test_script_sees_argv_path_main_and_stdin_as_with_python(tmp_path: Path, db:
 
 
 @pytest.mark.parametrize("given", ["links/main.py", "./proj/real/main.py"])
-def test_a_relative_or_linked_script_sees_file_and_path_as_with_python(tmp_path: Path, db: Path, given: str) -> None:
-    # python: ``__file__`` is the path as typed joined to the working directory (not normalized), ``sys.argv[0]``
-    # the path as typed, ``sys.path[0]`` the real directory of the script (a symbolic link resolved).
+def test_a_relative_or_linked_script_sees_argv_path_and_globals_as_with_python(
+    tmp_path: Path, db: Path, given: str
+) -> None:
+    # python: ``sys.argv[0]`` the path as typed, ``sys.path[0]`` the real directory of the script (a symbolic link
+    # resolved), the globals of its own ``__main__``.  ``__file__`` is the one difference kept: python joins a
+    # relative path to the working directory, the capture keeps it as typed (its stored source locations read so).
     real = tmp_path / "proj" / "real"
     _write(real / "helper.py", "VALUE = 7\n")
     _write(
@@ -90,28 +93,32 @@ def test_a_relative_or_linked_script_sees_file_and_path_as_with_python(tmp_path:
     direct = subprocess.run([sys.executable, given], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0 == direct.returncode, out.stderr + direct.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == json.loads(direct.stdout.strip().splitlines()[-1])
-    assert got["argv0"] == given and got["file"] == os.path.join(str(tmp_path), given) and got["value"] == 7
+    plain = json.loads(direct.stdout.strip().splitlines()[-1])
+    assert plain["file"] == os.path.join(str(tmp_path), given) and got["file"] == given
+    del got["file"], plain["file"]
+    assert got == plain
+    assert got["argv0"] == given and got["path0"] == str(real) and got["value"] == 7
 
 
 @pytest.mark.parametrize("hook", [False, True])
 def test_an_uncaught_error_is_printed_by_pythons_hook_word_for_word(tmp_path: Path, db: Path, hook: bool) -> None:
     # The interpreter's display adds what the traceback module does not on 3.11 ("Did you mean"), and a script's own
-    # ``sys.excepthook`` is the one that prints; the script is given by a relative path, as python shows it.
+    # ``sys.excepthook`` is the one that prints.
     lines = ["import os, sys"]
     if hook:
         lines += ["def hook(kind, err, tb):", "    print('the script hook:', kind.__name__, err, file=sys.stderr)",
                   "sys.excepthook = hook"]  # fmt: skip
     lines += ["def inner():", "    return os.getcwdd()", "inner()"]
     _write(tmp_path / "sub" / "typo.py", "\n".join(lines) + "\n")
-    out = run_tpudiag("capture", "--db", str(db), *NO_COLLECTORS, "sub/typo.py", cwd=tmp_path)
-    direct = subprocess.run([sys.executable, "sub/typo.py"], cwd=tmp_path, capture_output=True, text=True)
+    script = str(tmp_path / "sub" / "typo.py")
+    out = run_tpudiag("capture", "--db", str(db), *NO_COLLECTORS, script, cwd=tmp_path)
+    direct = subprocess.run([sys.executable, script], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 1 == direct.returncode
     assert out.stderr.split("tpudiag: ")[0] == direct.stderr
     if hook:
         assert direct.stderr.startswith("the script hook: AttributeError")
     else:
-        assert "Did you mean: 'getcwd'?" in direct.stderr and str(tmp_path / "sub" / "typo.py") in direct.stderr
+        assert "Did you mean: 'getcwd'?" in direct.stderr
     (run,) = _runs(db, tmp_path)
     assert run["status"] == "failed" and any("AttributeError" in n for n in run["notes"])
 

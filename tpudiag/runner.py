@@ -123,9 +123,9 @@ def _strip_runner_frames(tb: TracebackType | None) -> TracebackType | None:
 
 
 def _run_script_file(path: str) -> dict[str, object]:
-    """``runpy.run_path(path, run_name="__main__")`` for a script (source or compiled) file, ``sys.argv`` left as it
-    is: ``run_path`` sets ``sys.argv[0]`` to the path it runs, where python gives the script the path as typed in
-    ``sys.argv[0]`` and the joined one in ``__file__``."""
+    """``runpy.run_path(path, run_name="__main__")`` for a script (source or compiled) file, with the globals of
+    python's own ``__main__`` (``run_path`` leaves out ``__annotations__`` and the loader, and gives ``__builtins__``
+    as a dict)."""
     with io.open_code(path) as f:
         code = pkgutil.read_code(f)  # a .pyc file (None for source)
     loader: importlib.abc.FileLoader = importlib.machinery.SourcelessFileLoader("__main__", path)
@@ -237,12 +237,13 @@ def run(target: Target) -> Outcome:
         forget_child = forks.on_child("sigterm", _default_sigterm)
     try:
         if target.kind == "script":
-            # As python sets them: ``__file__`` (and the file name in the script's tracebacks) is the path as given,
-            # joined to the working directory and not normalized ("/cwd/./x.py"); ``sys.path[0]`` is the real
-            # directory of a script file (a symbolic link resolved), a directory or zip file itself.
-            script = target.name if os.path.isabs(target.name) else os.path.join(os.getcwd(), target.name)
+            # As python sets it, ``sys.path[0]`` is the real directory of a script file (a symbolic link resolved),
+            # a directory or zip file itself.  ``__file__`` (and the file name of the script's code) stays the path
+            # as typed, where python joins a relative one to the working directory: the stored source locations
+            # (``train.py:16``) and every reader of them take it so (noted in the CHANGELOG).
+            script = target.name
             sys.argv = [target.name, *target.args]
-            script_dir = script if os.path.isdir(script) else os.path.dirname(os.path.realpath(script))
+            script_dir = os.path.abspath(script) if os.path.isdir(script) else os.path.dirname(os.path.realpath(script))
             if sys.path:
                 sys.path[0] = script_dir
             else:
