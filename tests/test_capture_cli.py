@@ -100,6 +100,18 @@ def test_a_relative_or_linked_script_sees_argv_path_and_globals_as_with_python(
     assert got["argv0"] == given and got["path0"] == str(real) and got["value"] == 7
 
 
+def test_a_zip_application_runs_as_with_python(tmp_path: Path, db: Path) -> None:
+    # A zip file is a file too, but python runs its __main__.py (a script file is compiled, a zip is not).
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "app.zip", "w") as z:
+        z.writestr("__main__.py", "import sys\nprint('zipped', sys.argv[1:])\n")
+    out = run_tpudiag("capture", "--db", str(db), *NO_COLLECTORS, "app.zip", "a", cwd=tmp_path)
+    direct = subprocess.run([sys.executable, "app.zip", "a"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 == direct.returncode, out.stderr
+    assert out.stdout == direct.stdout == "zipped ['a']\n"
+
+
 @pytest.mark.parametrize("hook", [False, True])
 def test_an_uncaught_error_is_printed_by_pythons_hook_word_for_word(tmp_path: Path, db: Path, hook: bool) -> None:
     # The interpreter's display adds what the traceback module does not on 3.11 ("Did you mean"), and a script's own

@@ -248,7 +248,7 @@ def run(target: Target) -> Outcome:
                 sys.path[0] = script_dir
             else:
                 sys.path.insert(0, script_dir)
-            if os.path.isfile(script):
+            if pkgutil.get_importer(script) is None:  # a script file (runpy's own test: no sys.path entry)
                 _SCRIPT_GLOBALS.append(_run_script_file(script))
             else:  # a directory or zip file with a __main__.py
                 _SCRIPT_GLOBALS.append(runpy.run_path(target.name, run_name="__main__"))
