@@ -337,9 +337,12 @@ BACKGROUND_PCT = 0.5
 # Without --budget, the steps of trigger windows (numerics fully on) spend at most this share of the run's time ...
 BOOST_PCT = 5.0
 # ... and what they have not spent is kept for at most this many seconds of the run: a window spends at most
-# BOOST_PCT of that at once (6 s), or one watched step's cost where a step costs more.  Without it the allowance
-# grew with the run: at hour three one window could have checked every op for nine minutes.
-BOOST_HORIZON_S = 120.0
+# BOOST_PCT of that at once (1 s), or one watched step's cost where a step costs more.  Without it the allowance
+# grew with the run: at hour three one window could have checked every op for nine minutes.  20 s (was 120 s, 6 s at
+# once, session 28): the first step a window checks covers every op of the step; the next ones check the same ops
+# on new data.  On the long-run bench a slow-step window's checks (a 2M-element sort in float64 each step) spent
+# ~2-3.5 s (0.5%) of a 10-minute run.
+BOOST_HORIZON_S = 20.0
 
 
 @dataclass
