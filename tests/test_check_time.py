@@ -24,10 +24,12 @@ from tpudiag.collectors.numerics.sampling import Sampler, SamplingOptions
 from tpudiag.store import Store
 
 LAYERS = 4
+BUDGET = 1e6  # percent: so much that no step is refused for time, on any machine (at 100 the first steps taken
+# depended on how fast they ran: a slow first capture in a process watched more of them, one row per call)
 
 
 def _loop(db: Path, steps: int) -> str:
-    """A small training loop, every periodic step re-checked (``--budget 100``); the run's id."""
+    """A small training loop, every periodic step re-checked (a budget no step exceeds); the run's id."""
     torch.manual_seed(0)
     mods: list[nn.Module] = []
     for _ in range(LAYERS):
@@ -35,7 +37,7 @@ def _loop(db: Path, steps: int) -> str:
     model = nn.Sequential(*mods)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(8, 16)
-    with tpudiag.capture(db=db, name="check-time", collect="numerics", budget=100) as run:
+    with tpudiag.capture(db=db, name="check-time", collect="numerics", budget=BUDGET) as run:
         for _ in range(steps):
             opt.zero_grad()
             model(x).square().mean().backward()
