@@ -201,6 +201,19 @@ def test_a_root_input_whose_shape_raises_never_reaches_the_script(tmp_path: Path
 CALLS = 700  # root calls of the served model (each ends a step: collectors/root_steps.py)
 
 
+def _call_seconds() -> float:
+    """A served call's time on this machine (the model of ``_served_loop``, no capture)."""
+    model, _ = _mlp()
+    x = torch.randn(32, 64)
+    with torch.no_grad():
+        for _ in range(20):
+            model(x)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            model(x)
+    return (time.perf_counter() - t0) / 200
+
+
 def _served_loop(db: Path) -> tuple[int, int]:
     """A serving loop (no optimizer, ``no_grad``): a slow call, a manual trigger, ten calls of other input shapes
     and a recompile, each long after warm-up; the steady steps it took, and those ended by root calls."""
@@ -229,7 +242,9 @@ def test_steady_root_steps_record_the_serving_run_a_capture_without_them_records
     memory readings as a capture without steady steps."""
     monkeypatch.setenv("TPUDIAG_SLOW_FACTOR", "100")
     monkeypatch.setenv("TPUDIAG_TRIGGER_INTERVAL_S", "0")
-    monkeypatch.setattr(stride, "EVERY_S", 0.05)  # memory readings enough to compare in a 700-call run
+    # Memory readings enough to compare in a 700-call run, whatever the machine's speed: one every ~25 calls (a
+    # fixed 0.05 s gave 4 readings past the first steps where a call takes ~0.1 ms).
+    monkeypatch.setattr(stride, "EVERY_S", 25 * _call_seconds())
     steady, by_root = _served_loop(tmp_path / "steady.duckdb")
     with_gate = _read(tmp_path / "steady.duckdb")
     monkeypatch.setattr(steady_steps, "_enabled", False)
