@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -65,6 +67,7 @@ def test_nan_is_a_value_and_none_a_null() -> None:
         (pa.bool_(), [True, 1]),
         (pa.string(), ["ok", "\ud800"]),  # a lone surrogate
         (pa.string(), ["ok", 3]),
+        (pa.string(), ["ok", ["a list"]]),  # unhashable
     ],
 )
 def test_anything_else_is_converted_or_refused_as_pyarrow_does(kind: pa.DataType, values: list[Any]) -> None:
@@ -80,6 +83,80 @@ def test_anything_else_is_converted_or_refused_as_pyarrow_does(kind: pa.DataType
         assert isinstance(got, pa.Array) and got.equals(expected)
     else:
         assert got is expected
+
+
+def test_string_columns_of_repeated_and_distinct_values_equal_pyarrows_own() -> None:
+    """String columns are encoded once per distinct value: every mix of repeats, nulls and sizes."""
+    rng = random.Random(0)
+    pool = ["", "a", "é漢字 ✓", "[[32, 128]]", None, "x" * 70]
+    for _ in range(500):
+        kinds = pool[: rng.randrange(1, len(pool) + 1)]
+        values = [rng.choice(kinds) for _ in range(rng.choice([0, 1, 2, 9, 300]))]
+        built = arrow_columns.column(values, pa.string())
+        built.validate(full=True)
+        assert built.equals(pa.array(values, type=pa.string())), values
+
+
+def test_arrays_from_numpy_and_repeated_strings_equal_pyarrows_own() -> None:
+    values = np.array([5, -(2**63), 2**63 - 1, 0], dtype=np.int64)
+    valid = np.array([True, False, True, True])
+    built = arrow_columns.int64_array(values, valid)
+    built.validate(full=True)
+    assert built.equals(pa.array([5, None, 2**63 - 1, 0], type=pa.int64()))
+    assert arrow_columns.int64_array(values).equals(pa.array(values.tolist(), type=pa.int64()))
+    for value, n in (("run-é1", 5), ("", 3), ("x", 0)):
+        repeated = arrow_columns.repeated_string(value, n)
+        repeated.validate(full=True)
+        assert repeated.equals(pa.array([value] * n, type=pa.string()))
+
+
+def _pulse_rows(records: list[tuple[Any, ...]], nonfinite: dict[int, bool], compiled: dict[int, Any]) -> list[Any]:
+    """The pulse rows of ``records`` computed one at a time, as the writer did before it built columns."""
+    rows = []
+    for step, start, end, prev, own, shapes, window_id, figures in records:
+        if start is None:
+            start, gap = (prev if prev is not None else end), None
+        else:
+            gap = start - prev if prev is not None else None
+        dur = end - start
+        counts = compiled.get(step, (0, 0, 0))
+        rows.append({"run_id": "run-é1", "step": step, "start_ns": start + 1000, "dur_ns": dur, "gap_ns": gap,
+                     "own_ns": min(own, dur + (gap or 0)), "rank": 3, "shapes": shapes, "compiles": counts[0],
+                     "recompiles": counts[1], "graph_breaks": counts[2], "nonfinite": nonfinite.get(step),
+                     "window_id": window_id, "figures": json.dumps(figures) if figures else None})  # fmt: skip
+    return rows
+
+
+def test_the_pulse_writers_columns_are_its_records_row_by_row() -> None:
+    """The writer builds a hand-off's table by column (numpy for the clocks): the same rows as record by record,
+    with steps without a start or a previous end, compile counts and gradient checks joined by step, window ids
+    and figures."""
+    from types import SimpleNamespace
+
+    from tpudiag.collectors.pulse import PulseRecorder
+
+    writer = PulseRecorder.__new__(PulseRecorder)  # (only what ``_table`` reads: no capture, no thread)
+    writer._epoch_offset, writer._ctx, writer.rank = 1000, SimpleNamespace(run_id="run-é1"), 3
+    rng = random.Random(1)
+    for _ in range(200):
+        n, t, first = rng.choice([1, 2, 7, 120]), 10**12, rng.randrange(1000)
+        records = []
+        for i in range(n):
+            start = None if rng.random() < 0.1 else t + rng.randrange(100)
+            prev = None if rng.random() < 0.05 else t - rng.randrange(1000)
+            end = (start or t) + rng.randrange(1, 10**6)
+            figures = rng.choice([None, {}, {"memory_allocated": 1.5, "reserved": None}])
+            records.append((first + i, start, end, prev, rng.choice([0, 10, 10**9]), rng.choice(["", "[[8, 16]]"]),
+                            rng.choice([None, 0, 4]), figures))  # fmt: skip
+            t = end + 5
+        compiled = {first + rng.randrange(n): (1, rng.randrange(2), 0) for _ in range(rng.randrange(3))}
+        nonfinite = {first + rng.randrange(n): rng.random() < 0.5 for _ in range(rng.randrange(3))}
+        compiled[first + n + 5] = (1, 0, 0)  # (a step not in this hand-off: not joined)
+        table = writer._table(records, nonfinite, compiled)
+        table.validate(full=True)
+        assert table.schema == arrow_schema(PulseStep)
+        assert table.to_pylist() == _pulse_rows(records, nonfinite, compiled)
+    assert writer._table([]).num_rows == 0
 
 
 SCRIPT = textwrap.dedent(

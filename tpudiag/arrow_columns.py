@@ -24,12 +24,45 @@ _NUMERIC: dict[str, tuple[tuple[type, ...], str, int | float]] = {
 }
 
 
-def table(columns: dict[str, list[Any]], schema: pa.Schema) -> pa.Table:
-    """``pa.table(columns, schema=schema)``, the same table, without asking about pandas where it can."""
+def table(columns: dict[str, Any], schema: pa.Schema) -> pa.Table:
+    """``pa.table(columns, schema=schema)``, the same table, without asking about pandas where it can.  A column
+    may also be an Arrow array of its field's type already (``int64_array``, ``repeated_string``)."""
     import pyarrow as pa
 
-    arrays = [column(columns[field.name], field.type) for field in schema]
+    arrays = [_as_array(columns[field.name], field.type) for field in schema]
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _as_array(values: Any, type_: pa.DataType) -> pa.Array:
+    import pyarrow as pa
+
+    if isinstance(values, pa.Array) and values.type == type_:
+        return values
+    return column(values, type_)
+
+
+def int64_array(values: Any, valid: Any = None) -> pa.Array:
+    """An int64 column from a numpy int64 array, null where ``valid`` (a numpy bool array, if given) is False."""
+    import numpy as np
+    import pyarrow as pa
+
+    data = np.ascontiguousarray(values, dtype=np.int64)
+    n = len(data)
+    nulls = 0 if valid is None else int(n - np.count_nonzero(valid))
+    validity = pa.py_buffer(np.packbits(valid, bitorder="little")) if nulls else None
+    return pa.Array.from_buffers(pa.int64(), n, [validity, pa.py_buffer(data)], null_count=nulls)
+
+
+def repeated_string(value: str, n: int) -> pa.Array:
+    """A string column holding ``value`` ``n`` times."""
+    import numpy as np
+    import pyarrow as pa
+
+    encoded = value.encode("utf-8")
+    if len(encoded) * n > _MAX_STRING_BYTES:
+        return column([value] * n, pa.string())
+    offsets = np.arange(n + 1, dtype=np.int32) * np.int32(len(encoded))
+    return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(encoded * n)], null_count=0)
 
 
 def column(values: list[Any], type_: pa.DataType) -> pa.Array:
@@ -44,6 +77,8 @@ def _built(values: list[Any], type_: pa.DataType) -> pa.Array | None:
     import numpy as np
     import pyarrow as pa
 
+    if type_ == pa.string():
+        return _strings(values)
     n = len(values)
     valid = [v is not None for v in values]
     nulls = n - sum(valid)
@@ -64,17 +99,41 @@ def _built(values: list[Any], type_: pa.DataType) -> pa.Array | None:
             return None
         bits = np.packbits(np.array([v is True for v in values], dtype=bool), bitorder="little")
         return pa.Array.from_buffers(type_, n, [validity, pa.py_buffer(bits)], null_count=nulls)
-    if type_ == pa.string():
-        if not all(type(v) is str for v in present):
-            return None
-        try:
-            encoded = [b"" if v is None else v.encode("utf-8") for v in values]
-        except UnicodeEncodeError:
-            return None
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum([len(b) for b in encoded], out=offsets[1:])
-        if offsets[-1] > _MAX_STRING_BYTES:
-            return None
-        buffers = [validity, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(encoded))]
-        return pa.Array.from_buffers(type_, n, buffers, null_count=nulls)
     return None
+
+
+def _strings(values: list[Any]) -> pa.Array | None:
+    """A string column, each distinct value checked and encoded once (a record table's strings repeat: a run id,
+    a step's input shapes): C loops over the rows, Python ones over the distinct values."""
+    import numpy as np
+    import pyarrow as pa
+
+    n = len(values)
+    try:
+        distinct = list(dict.fromkeys(values))
+    except TypeError:  # an unhashable value: not a string
+        return None
+    if not all(type(v) is str or v is None for v in distinct):
+        return None
+    try:
+        encoded = [b"" if v is None else v.encode("utf-8") for v in distinct]
+    except UnicodeEncodeError:
+        return None
+    codes = None
+    if len(distinct) == 1:
+        offsets = np.arange(n + 1, dtype=np.int64) * len(encoded[0])
+    else:
+        index = {v: i for i, v in enumerate(distinct)}
+        codes = np.array(list(map(index.__getitem__, values)), dtype=np.intp)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.array([len(b) for b in encoded], dtype=np.int64)[codes], out=offsets[1:])
+    if n and offsets[-1] > _MAX_STRING_BYTES:
+        return None
+    data = encoded[0] * n if codes is None else b"".join([encoded[c] for c in codes.tolist()])
+    validity, nulls = None, 0
+    if None in distinct:
+        valid = codes != distinct.index(None) if codes is not None else np.zeros(n, dtype=bool)
+        nulls = n - int(np.count_nonzero(valid))
+        validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    buffers = [validity, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)]
+    return pa.Array.from_buffers(pa.string(), n, buffers, null_count=nulls)
