@@ -51,20 +51,6 @@ from tpudiag.plugins import CaptureContext
 FULL_EVERY = 64
 WRITE_EVERY_S = 5.0
 WAKE_ROWS = 20_000
-COLUMNS = (
-    "step",
-    "start_ns",
-    "dur_ns",
-    "gap_ns",
-    "own_ns",
-    "shapes",
-    "compiles",
-    "recompiles",
-    "graph_breaks",
-    "nonfinite",
-    "window_id",
-    "figures",
-)
 
 
 _Tensor = torch.Tensor
