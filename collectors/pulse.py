@@ -492,7 +492,6 @@ class PulseRecorder:
         ~3 us a record on the writer thread, whose GIL the script's steps wait on (~0.25% of the long-run bench's
         fast loop)."""
         import numpy as np
-        import pyarrow as pa
 
         from tpudiag import arrow_columns
         from tpudiag.model import PulseStep, arrow_schema
@@ -531,10 +530,9 @@ class PulseRecorder:
                 at = where.get(step)
                 if at is not None:
                     nonfinite_values[at] = value
-        json_figures: Any = [json.dumps(f) if f else None for f in figures] if any(figures) else None
         int64 = arrow_columns.int64_array
         columns: dict[str, Any] = {
-            "run_id": arrow_columns.repeated_string(self._ctx.run_id, n),
+            "run_id": [self._ctx.run_id] * n,
             "step": int64(np.array(steps, dtype=np.int64)),
             "start_ns": int64(start + self._epoch_offset),
             "dur_ns": int64(dur),
@@ -545,9 +543,9 @@ class PulseRecorder:
             "compiles": int64(counts[0]),
             "recompiles": int64(counts[1]),
             "graph_breaks": int64(counts[2]),
-            "nonfinite": nonfinite_values if nonfinite else pa.nulls(n, pa.bool_()),
-            "window_id": pa.nulls(n, pa.int64()) if window_ids.count(None) == n else window_ids,
-            "figures": pa.nulls(n, pa.string()) if json_figures is None else json_figures,
+            "nonfinite": nonfinite_values,
+            "window_id": window_ids,
+            "figures": [json.dumps(f) if f else None for f in figures],
         }
         return arrow_columns.table(columns, schema)
 

@@ -26,7 +26,7 @@ _NUMERIC: dict[str, tuple[tuple[type, ...], str, int | float]] = {
 
 def table(columns: dict[str, Any], schema: pa.Schema) -> pa.Table:
     """``pa.table(columns, schema=schema)``, the same table, without asking about pandas where it can.  A column
-    may also be an Arrow array of its field's type already (``int64_array``, ``repeated_string``)."""
+    may also be an Arrow array of its field's type already (``int64_array``)."""
     import pyarrow as pa
 
     arrays = [_as_array(columns[field.name], field.type) for field in schema]
@@ -53,18 +53,6 @@ def int64_array(values: Any, valid: Any = None) -> pa.Array:
     return pa.Array.from_buffers(pa.int64(), n, [validity, pa.py_buffer(data)], null_count=nulls)
 
 
-def repeated_string(value: str, n: int) -> pa.Array:
-    """A string column holding ``value`` ``n`` times."""
-    import numpy as np
-    import pyarrow as pa
-
-    encoded = value.encode("utf-8")
-    if len(encoded) * n > _MAX_STRING_BYTES:
-        return column([value] * n, pa.string())
-    offsets = np.arange(n + 1, dtype=np.int32) * np.int32(len(encoded))
-    return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(encoded * n)], null_count=0)
-
-
 def column(values: list[Any], type_: pa.DataType) -> pa.Array:
     """``pa.array(values, type=type_)`` for an int64, float64, bool or string column of Python values and None."""
     import pyarrow as pa
@@ -82,6 +70,8 @@ def _built(values: list[Any], type_: pa.DataType) -> pa.Array | None:
     n = len(values)
     valid = [v is not None for v in values]
     nulls = n - sum(valid)
+    if nulls == n:  # (a record table's rare columns: no value in this hand-off)
+        return pa.nulls(n, type_)
     validity = pa.py_buffer(np.packbits(np.array(valid, dtype=bool), bitorder="little")) if nulls else None
     present = [v for v in values if v is not None] if nulls else values
     numeric = _NUMERIC.get(str(type_))
