@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpudiag import internal_errors
+from tpudiag.collectors.numerics import check_memory
 from tpudiag.collectors.numerics.context import Context
 from tpudiag.collectors.numerics.grad_scaler import ScalerWatch
 from tpudiag.collectors.numerics.judge import OutputJudge
@@ -178,8 +179,11 @@ class NumericsMode(UncheckedCalls, OutputJudge, OracleRuns, TorchDispatchMode): 
     def _after(
         self, func: Any, p: _Pending, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, op_s: float
     ) -> None:
-        if p.reason is None and p.signature is not None and self.sampler.too_late(_sampled_as(p.signature), op_s):
-            p.reason = "budget"
+        if p.reason is None and p.signature is not None:
+            if self.sampler.too_late(_sampled_as(p.signature), op_s):
+                p.reason = "budget"
+            elif (cap := self.sampler.memory_cap) is not None and check_memory.estimate(p.tensors, out) > cap:
+                p.reason = "size_cap"  # past the run's first steps: more than a check may hold (``check_memory``)
         if p.reason is not None:
             self._unchecked(func, p.plan, p.seq, p.module, p.phase, p.reason, args, kwargs, out, p.tensors, p.signature)
             # The mode's own time on this call (everything but the op itself) counts against --budget.

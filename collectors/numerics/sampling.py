@@ -226,6 +226,10 @@ class Sampler:
     # every signature was re-checked).
     check_until: float | None = None
     round_done: bool = True
+    # Past the run's first steps, the most one check may hold (``check_memory``; None: no bound but the size cap),
+    # set with ``check_until`` by ``begin_step``: the allowance is measured once, when the run settles.
+    memory_cap: int | None = None
+    _memory_allowance: int | None = None
     _round_size: int = 0  # signatures re-checked in this round when the step began
     _admitted: str = ""  # why the last call ``wants`` admitted was sampled: "first", "recheck" or "all"
 
@@ -288,6 +292,15 @@ class Sampler:
             self.check_until = (time.perf_counter() if now is None else now) + CHECK_STEP_S
         else:
             self.check_until = None
+        self.memory_cap = self.check_allowance() if capped and self.options.mode != "all" else None
+
+    def check_allowance(self) -> int:
+        """The most one check may hold past the run's first steps (``check_memory.allowance``, measured once)."""
+        if self._memory_allowance is None:
+            from tpudiag.collectors.numerics import check_memory
+
+            self._memory_allowance = check_memory.allowance()
+        return self._memory_allowance
 
     def ran_out(self) -> None:
         """The step's check time ran out before its end (its later calls were not looked at): a re-check step's round

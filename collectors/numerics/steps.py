@@ -203,6 +203,7 @@ class StepBoundaries:
         sampler = mode.sampler
         capped = st.schedule.settled and st.step >= FIRST_STEPS and sampler.options.mode != "all"
         sampler.check_until = now + CHECK_STEP_S if capped else None
+        sampler.memory_cap = sampler.check_allowance() if capped else None
 
     def _boundary(self) -> None:
         """End of a step (``_step_end``, when it is not the quiet kind): learn from it, replay its ops if it was not

@@ -1,0 +1,134 @@
+"""A check's memory past the run's first steps (issue 21: peak RSS over the plain script bounded).  The first
+steps check every op up to the size cap as before; past them a call whose float64 check would hold more than the
+allowance (``collectors/numerics/check_memory.py``) is skipped as ``size_cap``, and every smaller call is checked
+with the same verdicts as without the allowance."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+import torch
+from torch import nn
+
+import tpudiag
+from tpudiag.collectors.numerics import check_memory, sampling
+from tpudiag.collectors.numerics.mode import Context, NumericsMode
+from tpudiag.collectors.numerics.records import Recorder
+from tpudiag.collectors.numerics.sampling import SamplingOptions
+
+BIG = 300_000  # elements: its exp's check holds 8 x (1 + 3) x BIG = 9.6 MB
+ALLOWANCE = 4 << 20  # between the big exp's check and every other op's
+
+
+@pytest.fixture
+def faulty_tanh() -> Iterator[None]:
+    """aten::tanh on CPU float32 off by 3e-3 relative (float64 stays exact): a divergent verdict to keep."""
+    lib = torch.library.Library("aten", "IMPL")
+
+    def kernel(x: Any) -> Any:
+        exact = torch.where(x.abs() > 20, x.sign(), torch.sinh(x.double()) / torch.cosh(x.double()))
+        return (exact * (1 + 3e-3)).float() if x.dtype == torch.float32 else exact.to(x.dtype)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lib.impl("tanh", kernel, "CPU")
+    yield
+    lib._destroy()
+
+
+def _checked(cap: int | None) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """(op, checked, skip_reason) of each call, and (op, verdict, scaled error) of each output, with this cap."""
+    torch.manual_seed(0)
+    x, big = torch.randn(64, 64), torch.randn(BIG)
+    recorder = Recorder("t", None)
+    mode = NumericsMode(Context(run_id="t"), SamplingOptions(mode="sample"), recorder)
+    mode.sampler.memory_cap = cap
+    with mode:
+        torch.tanh(x @ x).sum()
+        torch.exp(big)
+    ops, diffs = recorder.drain(final=True)
+    name = {o.seq: o.op for o in ops}
+    return (
+        [(o.op, o.checked, o.skip_reason) for o in ops],
+        [(name[d.seq], d.verdict, d.scaled_error) for d in diffs if d.verdict != "skip"],
+    )
+
+
+def test_a_call_over_the_allowance_is_skipped_and_smaller_calls_keep_their_verdicts(faulty_tanh: None) -> None:
+    free_calls, free_verdicts = _checked(None)
+    capped_calls, capped_verdicts = _checked(ALLOWANCE)
+    assert ("aten::exp", True, None) in free_calls
+    assert ("aten::exp", False, "size_cap") in capped_calls
+    # Every other call as without the allowance, the divergent tanh included.
+    assert [c for c in capped_calls if c[0] != "aten::exp"] == [c for c in free_calls if c[0] != "aten::exp"]
+    assert [v for v in capped_verdicts] == [v for v in free_verdicts if v[0] != "aten::exp"]
+    assert any(v[0] == "aten::tanh" and v[1] == "fail" for v in capped_verdicts)
+
+
+def test_the_estimate_counts_inputs_once_and_outputs_three_times() -> None:
+    a, b = torch.zeros(10), torch.zeros(10)
+    assert check_memory.estimate([a, b], torch.zeros(10)) == 8 * (20 + 30)
+    assert check_memory.estimate([a], (torch.zeros(4), torch.zeros(4, dtype=torch.long))) == 8 * (10 + 24)
+    assert check_memory.allowance() >= check_memory.MIN_BYTES
+
+
+def test_the_allowance_is_set_past_the_first_steps_only_and_not_for_numerics_all() -> None:
+    s = sampling.Sampler(SamplingOptions(mode="sample"))
+    s.begin_step(boost=True, recheck=False, capped=False)
+    assert s.memory_cap is None  # the run's first steps: the size cap only
+    s.begin_step(boost=True, recheck=False, capped=True)
+    assert s.memory_cap == s.check_allowance() >= check_memory.MIN_BYTES  # a trace window past them
+    s.begin_step(boost=False, recheck=True, capped=True)
+    assert s.memory_cap is not None  # a periodic re-check step
+    every = sampling.Sampler(SamplingOptions(mode="all"))
+    every.begin_step(boost=False, recheck=False, capped=True)
+    assert every.memory_cap is None
+
+
+def _loop(db: Path, steps: int, trigger_at: int) -> list[tuple[Any, ...]]:
+    """A training loop with a large op, a window triggered late; its ops rows (op, skip reason, calls, checked)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, big = torch.randn(8, 16), torch.randn(BIG)
+    with tpudiag.capture(db=db, name="check-memory", collect="trace,numerics", budget=1e6) as run:
+        for step in range(steps):
+            if step == trigger_at:
+                assert tpudiag.trigger(steps=2, numerics="all")
+            opt.zero_grad()
+            (model(x).square().mean() + torch.exp(big).mean()).backward()
+            opt.step()
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        return con.execute(
+            "SELECT op, skip_reason, coalesce(calls, 1), checked FROM ops WHERE run_id = ? AND phase = 'forward'",
+            [run.id],
+        ).fetchall()
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+def test_a_late_windows_large_op_is_skipped_for_memory_and_the_rest_still_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bounded: bool
+) -> None:
+    monkeypatch.setattr(sampling, "CHECK_STEP_S", 3600.0)  # no step's check time runs out, on any machine
+    if bounded:
+        monkeypatch.setattr(check_memory, "MIN_BYTES", ALLOWANCE)
+        monkeypatch.setattr(check_memory, "SHARE", 1 << 40)  # the allowance is MIN_BYTES whatever the RSS
+    rows = _loop(tmp_path / "m.duckdb", steps=80, trigger_at=60)
+    exp_checked = sum(r[2] for r in rows if r[0] == "aten::exp" and r[3])
+    exp_capped = sum(r[2] for r in rows if r[0] == "aten::exp" and r[1] == "size_cap")
+    window_checked = sum(r[2] for r in rows if r[0] == "aten::addmm" and r[3])
+    assert window_checked > 3 * 2, rows  # the window's steps checked the linear layers past their first calls
+    assert not [r for r in rows if r[1] == "size_cap" and r[0] != "aten::exp"]
+    if bounded:
+        assert exp_checked >= 1, rows  # the first steps check it as before
+        assert exp_capped >= 2, rows  # the window's steps skip it for memory
+    else:
+        assert exp_capped == 0 and exp_checked > 3, rows
