@@ -90,18 +90,37 @@ def test_the_allowance_is_set_past_the_first_steps_only_and_not_for_numerics_all
     assert every.memory_cap is None
 
 
+def test_a_graphs_values_are_counted_by_their_last_use() -> None:
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    n = 1000
+    torch._dynamo.reset()
+    torch.compile(lambda t: ((t.exp() + 1) * t).sum(), backend=backend)(torch.randn(n))
+    # exp, then add (exp freed after it), then mul (add freed), then the sum: two values of n alive at most.
+    assert check_memory.graph_elements(graphs[0]) == (2 * n, 3 * n + 1)
+    assert check_memory.graph_estimate(n, (2 * n, 3 * n + 1), grad=False) == 8 * (3 * n + 4 * n)
+    assert check_memory.graph_estimate(n, (2 * n, 3 * n + 1), grad=True) == 8 * (3 * n + 2 * (3 * n + 1))
+
+
 def _loop(db: Path, steps: int, trigger_at: int) -> list[tuple[Any, ...]]:
-    """A training loop with a large op, a window triggered late; its ops rows (op, skip reason, calls, checked)."""
+    """A training loop with a large op and a compiled function of a large input, a window triggered late; its ops
+    rows (op, skip reason, calls, checked)."""
     torch.manual_seed(0)
+    torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, big = torch.randn(8, 16), torch.randn(BIG)
+    compiled = torch.compile(lambda t: (t.exp() * 2).sum(), backend="eager")
     with tpudiag.capture(db=db, name="check-memory", collect="trace,numerics", budget=1e6) as run:
         for step in range(steps):
             if step == trigger_at:
                 assert tpudiag.trigger(steps=2, numerics="all")
             opt.zero_grad()
-            (model(x).square().mean() + torch.exp(big).mean()).backward()
+            (model(x).square().mean() + torch.exp(big).mean() + compiled(big)).backward()
             opt.step()
     con = duckdb.connect(str(db), read_only=True)
     try:
@@ -114,7 +133,7 @@ def _loop(db: Path, steps: int, trigger_at: int) -> list[tuple[Any, ...]]:
 
 
 @pytest.mark.parametrize("bounded", [True, False])
-def test_a_late_windows_large_op_is_skipped_for_memory_and_the_rest_still_checked(
+def test_a_late_windows_large_op_and_graph_are_skipped_for_memory_and_the_rest_still_checked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bounded: bool
 ) -> None:
     monkeypatch.setattr(sampling, "CHECK_STEP_S", 3600.0)  # no step's check time runs out, on any machine
@@ -122,13 +141,43 @@ def test_a_late_windows_large_op_is_skipped_for_memory_and_the_rest_still_checke
         monkeypatch.setattr(check_memory, "MIN_BYTES", ALLOWANCE)
         monkeypatch.setattr(check_memory, "SHARE", 1 << 40)  # the allowance is MIN_BYTES whatever the RSS
     rows = _loop(tmp_path / "m.duckdb", steps=80, trigger_at=60)
+    graph_checked = sum(r[2] for r in rows if r[0].startswith("compiled_graph") and r[3])
+    graph_capped = sum(r[2] for r in rows if r[0].startswith("compiled_graph") and r[1] == "size_cap")
     exp_checked = sum(r[2] for r in rows if r[0] == "aten::exp" and r[3])
     exp_capped = sum(r[2] for r in rows if r[0] == "aten::exp" and r[1] == "size_cap")
     window_checked = sum(r[2] for r in rows if r[0] == "aten::addmm" and r[3])
     assert window_checked > 3 * 2, rows  # the window's steps checked the linear layers past their first calls
-    assert not [r for r in rows if r[1] == "size_cap" and r[0] != "aten::exp"]
+    # Only the calls on the large tensor (its exp, and the eager backend's exp and mul inside the graph) and the graph.
+    large = ("aten::exp", "aten::mul")
+    assert not [r for r in rows if r[1] == "size_cap" and r[0] not in large and not r[0].startswith("compiled")]
     if bounded:
-        assert exp_checked >= 1, rows  # the first steps check it as before
-        assert exp_capped >= 2, rows  # the window's steps skip it for memory
+        assert exp_checked >= 1 and graph_checked >= 1, rows  # the first steps check them as before
+        assert exp_capped >= 2 and graph_capped >= 2, rows  # the window's steps skip them for memory
     else:
         assert exp_capped == 0 and exp_checked > 3, rows
+        assert graph_capped == 0 and graph_checked > 3, rows
+
+
+def test_a_compiled_graphs_check_is_the_checkers_work_not_the_scripts_ops(tmp_path: Path) -> None:
+    """The graph checker's copies of the inputs, its replays and comparisons run with no dispatch mode: the numerics
+    mode saw its input copies as the script's ``_to_copy`` and ``clone`` calls (and checked them)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: (t.exp() * 2).sum(), backend="eager")
+    x = torch.randn(64)
+    db = tmp_path / "c.duckdb"
+    with tpudiag.capture(db=db, name="graph-check", collect="numerics", numerics="all") as run:
+        for _ in range(3):
+            compiled(x)
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        ops = {
+            r[0]: r[1]
+            for r in con.execute(
+                "SELECT op, bool_or(checked) FROM ops WHERE run_id = ? GROUP BY op", [run.id]
+            ).fetchall()
+        }
+    finally:
+        con.close()
+    assert ops.get("aten::exp") and ops.get("aten::mul"), ops  # the eager backend's own ops, checked
+    assert any(op.startswith("compiled_graph") and checked for op, checked in ops.items()), ops
+    assert "aten::clone" not in ops and "aten::_to_copy" not in ops, ops

@@ -35,11 +35,57 @@ def allowance() -> int:
 
 
 def estimate(inputs: list[torch.Tensor], out: Any) -> int:
-    """Bytes a check of a call with these input tensors and this result holds at once (float64 elements)."""
+    """Bytes a check of a call with these input tensors and this result holds at once (float64 elements; a
+    complex element counts twice)."""
     from tpudiag.oracle import ops as oracle
 
-    held = sum(t.numel() for t in inputs)
+    held = sum(t.numel() * (2 if t.is_complex() else 1) for t in inputs)
     for t in oracle.tree_flatten(out)[0]:
         if isinstance(t, torch.Tensor):
-            held += 3 * t.numel()
+            held += 3 * t.numel() * (2 if t.is_complex() else 1)
     return 8 * held
+
+
+def graph_elements(gm: Any) -> tuple[int, int] | None:
+    """A compiled graph's values by Dynamo's example values, in elements: (the most alive at once when its nodes run
+    in order, each freed after its last use: a replay without autograd; all of them: a replay that keeps its
+    autograd graph for a reference backward).  None when a size is not known (symbolic shapes)."""
+    nodes = list(gm.graph.nodes)
+    last_use: dict[Any, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_use[a] = i
+    sizes: dict[Any, int] = {}
+    live = peak = total = 0
+    for i, n in enumerate(nodes):
+        if n.op in ("call_function", "call_method", "call_module"):
+            size = _elements(n.meta.get("example_value", n.meta.get("val")))
+            if size is None:
+                return None
+            sizes[n] = size
+            live += size
+            total += size
+            peak = max(peak, live)
+        for a in n.all_input_nodes:
+            if last_use.get(a) == i and a in sizes:
+                live -= sizes.pop(a)
+    return peak, total
+
+
+def graph_estimate(inputs: int, replay: tuple[int, int], grad: bool) -> int:
+    """Bytes a graph check holds at once: its inputs three times (the snapshot, their float64 copies, the eager
+    replay's clones) and two replays' values (float64 and the device dtype, both counted at 8 bytes)."""
+    return 8 * (3 * inputs + 2 * (replay[1] if grad else replay[0]))
+
+
+def _elements(value: Any) -> int | None:
+    from tpudiag.oracle import ops as oracle
+
+    total = 0
+    for t in oracle.tree_flatten(value)[0]:
+        if isinstance(t, torch.Tensor):
+            try:
+                total += int(t.numel()) * (2 if t.is_complex() else 1)
+            except Exception:  # a symbolic size
+                return None
+    return total

@@ -27,6 +27,7 @@ import torch
 from tpudiag import console
 from tpudiag.analysis.numerics_metrics import dtype_name
 from tpudiag.analysis.verdict import Verdict, is_divergent
+from tpudiag.collectors.numerics import check_memory
 from tpudiag.collectors.numerics.compiled.intercept import GraphInfo, Interceptor
 from tpudiag.collectors.numerics.sampling import CHECK_STEP_S, Budget, Sampler, SamplingOptions
 from tpudiag.model import OpDiff, OpRecord
@@ -69,6 +70,8 @@ class Graph:
     backward_checks: int = 0
     backward_divergent: int = 0
     sampled_out: bool = False  # its one signature is past its first K calls (``compiled_region``'s fast path)
+    # Its values in elements (``check_memory.graph_elements``: the most alive at once, all), (-1, -1) when unknown
+    replay_elements: tuple[int, int] | None = None
 
 
 class CompiledChecker:
@@ -243,7 +246,7 @@ class CompiledChecker:
             g.sampled_out = not ints  # refused for the first-K count: for good (refusals only follow an admission)
             return None
         numel = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
-        if numel > SIZE_CAP:
+        if numel > SIZE_CAP or self._over_memory(g, args, numel, schedule):
             g.skipped["size_cap"] = g.skipped.get("size_cap", 0) + 1
             return None
         budget = self.ctx.budget
@@ -266,6 +269,19 @@ class CompiledChecker:
             return None
         sampler.checked[signature] = sampler.checked.get(signature, 0) + 1
         return {"numel": numel, "op": op}
+
+    def _over_memory(self, g: Graph, args: tuple[Any, ...], numel: int, schedule: Any) -> bool:
+        """Past the run's first steps: whether this call's check would hold more than a check's memory allowance
+        (``check_memory``; a graph whose sizes are not known is not bounded)."""
+        cap = getattr(schedule, "memory_cap", None)
+        if cap is None:
+            return False
+        if g.replay_elements is None:
+            g.replay_elements = check_memory.graph_elements(g.info.ref) or (-1, -1)
+        if g.replay_elements[0] < 0:
+            return False
+        grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        return check_memory.graph_estimate(numel, g.replay_elements, grad) > cap
 
     # -- one checked call -------------------------------------------------------------------------------------
     def _checked_call(self, g: Graph, compiled: Any, args: tuple[Any, ...], plan: dict[str, Any]) -> Any:
@@ -297,7 +313,11 @@ class CompiledChecker:
             g.skipped_bw["tpudiag_error"] = g.skipped_bw.get("tpudiag_error", 0) + 1
         try:
             # Labelled, so a profiler trace shows the checker's replays as tpudiag's work (one range, not its ops).
-            with tool_range("tpudiag::compiled_check"):
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            # Its copies, replays and comparisons are the checker's work, not the script's: no dispatch mode sees
+            # them (the numerics mode had recorded, and in a watched step checked, its copies as the script's ops).
+            with tool_range("tpudiag::compiled_check"), _disable_current_modes():
                 self._check(g, snapshot, out, plan, backward)
         except Exception as e:
             self._on_error("check", e)
