@@ -84,8 +84,8 @@ def _elements(value: Any) -> int | None:
     total = 0
     for t in oracle.tree_flatten(value)[0]:
         if isinstance(t, torch.Tensor):
-            try:
-                total += int(t.numel()) * (2 if t.is_complex() else 1)
-            except Exception:  # a symbolic size
+            n = t.numel()
+            if not isinstance(n, int):  # a symbolic size (``int()`` gives the first compile's hint, not this call's)
                 return None
+            total += n * (2 if t.is_complex() else 1)
     return total
