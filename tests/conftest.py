@@ -3,7 +3,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,6 +55,24 @@ def run_plain_reference(
     if plain.returncode != 0 and GLOO_EXIT_ABORT in plain.stderr:
         plain = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     return plain
+
+
+@pytest.fixture
+def faulty_tanh() -> Iterator[None]:
+    """aten::tanh on CPU float32 off by 3e-3 relative (float64 stays exact): a planted divergence."""
+    import torch
+
+    lib = torch.library.Library("aten", "IMPL")
+
+    def kernel(x: Any) -> Any:
+        exact = torch.where(x.abs() > 20, x.sign(), torch.sinh(x.double()) / torch.cosh(x.double()))
+        return (exact * (1 + 3e-3)).float() if x.dtype == torch.float32 else exact.to(x.dtype)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lib.impl("tanh", kernel, "CPU")
+    yield
+    lib._destroy()
 
 
 @pytest.fixture

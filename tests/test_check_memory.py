@@ -5,8 +5,6 @@ with the same verdicts as without the allowance."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +21,6 @@ from tpudiag.collectors.numerics.sampling import SamplingOptions
 
 BIG = 300_000  # elements: its exp's check holds 8 x (1 + 3) x BIG = 9.6 MB
 ALLOWANCE = 4 << 20  # between the big exp's check and every other op's
-
-
-@pytest.fixture
-def faulty_tanh() -> Iterator[None]:
-    """aten::tanh on CPU float32 off by 3e-3 relative (float64 stays exact): a divergent verdict to keep."""
-    lib = torch.library.Library("aten", "IMPL")
-
-    def kernel(x: Any) -> Any:
-        exact = torch.where(x.abs() > 20, x.sign(), torch.sinh(x.double()) / torch.cosh(x.double()))
-        return (exact * (1 + 3e-3)).float() if x.dtype == torch.float32 else exact.to(x.dtype)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lib.impl("tanh", kernel, "CPU")
-    yield
-    lib._destroy()
 
 
 def _checked(cap: int | None) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
@@ -66,7 +48,7 @@ def test_a_call_over_the_allowance_is_skipped_and_smaller_calls_keep_their_verdi
     assert ("aten::exp", False, "size_cap") in capped_calls
     # Every other call as without the allowance, the divergent tanh included.
     assert [c for c in capped_calls if c[0] != "aten::exp"] == [c for c in free_calls if c[0] != "aten::exp"]
-    assert [v for v in capped_verdicts] == [v for v in free_verdicts if v[0] != "aten::exp"]
+    assert capped_verdicts == [v for v in free_verdicts if v[0] != "aten::exp"]
     assert any(v[0] == "aten::tanh" and v[1] == "fail" for v in capped_verdicts)
 
 

@@ -3,8 +3,7 @@ that the user's tensors and results stay bitwise unchanged."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,22 +28,6 @@ def run(
 
 def by_op(ops: list[OpRecord], diffs: list[OpDiff], name: str) -> list[tuple[OpRecord, list[OpDiff]]]:
     return [(o, [d for d in diffs if d.seq == o.seq]) for o in ops if o.op == name]
-
-
-@pytest.fixture
-def faulty_tanh() -> Iterator[None]:
-    """aten::tanh on CPU float32 off by 3e-3 relative (float64 stays exact)."""
-    lib = torch.library.Library("aten", "IMPL")
-
-    def kernel(x: Any) -> Any:
-        exact = torch.where(x.abs() > 20, x.sign(), torch.sinh(x.double()) / torch.cosh(x.double()))
-        return (exact * (1 + 3e-3)).float() if x.dtype == torch.float32 else exact.to(x.dtype)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lib.impl("tanh", kernel, "CPU")
-    yield
-    lib._destroy()
 
 
 def test_in_place_ops_compare_against_inputs_captured_before_the_write() -> None:
