@@ -17,6 +17,8 @@ from tpudiag import internal_errors, runner
 from tpudiag.longrun import analyst, control, heap, manual
 from tpudiag.plugins import CaptureContext
 
+WINDOW_TRIM_S = 0.1  # the least time between two trims at a window's step boundaries (``_boundary``)
+
 NO_EVENTS = "the trace collector recorded no events"
 # How long ``stop`` waits for the analysis process to finish its queue before leaving the rest to the deferred
 # finish (which runs after the script's exit status is known) or doing it itself.
@@ -115,6 +117,14 @@ class LongRunMixin:
         # The step that closes a window pays for its export: it is counted as part of that window.
         pulse.window_id = plan.open.window_id if plan.open is not None else closing
         control.set_window_open(pulse.window_id is not None)
+        if plan.open is not None and plan.open.reason != "first_steps":
+            # Inside a window the heap keeps what each step freed: the profiler's own allocations land between the
+            # step's large blocks, so glibc can neither reuse them whole nor give them back, and a step that
+            # allocates large blocks grows the heap by about its own size every step (the long-run bench's 24 MB
+            # sort: +130 MB over a 5-step window).  Free pages go back at each step of a window instead (at most
+            # every WINDOW_TRIM_S: a window of fast steps pays one or two trims, a few ms each).  Not in the first
+            # window: a short script runs inside it from start to end, with its imports' and warm-up's frees.
+            heap.release(min_interval_s=WINDOW_TRIM_S, caller="window step")
         pulse.add_own(time.perf_counter_ns() - t0)
 
     def _open_window(self) -> None:
