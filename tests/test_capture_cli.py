@@ -249,10 +249,49 @@ def test_a_signal_ends_the_process_as_it_ends_python_and_the_run_is_stored_inter
     )
     assert code_plain == -sig
     assert code_ours == code_plain, err
-    if sig == signal.SIGINT:  # (python runs no exit handler when SIGTERM kills it; tpudiag runs them, noted)
-        assert out_ours == out_plain == "exit handler\n"
+    # (Python runs no exit handler when SIGTERM kills it, and neither does the capture.)
+    assert out_ours == out_plain == ("exit handler\n" if sig == signal.SIGINT else "")
     (run,) = _runs(db, tmp_path)
     assert run["status"] == "interrupted" and run["exit_code"] == code
+
+
+def test_sigterm_ends_the_process_at_once_as_it_ends_python(tmp_path: Path, db: Path) -> None:
+    """SIGTERM kills python at once: no thread waited for, no exit handler, the output still in its buffers lost.
+    The capture stores the run, then dies the same way (it had waited for the script's non-daemon thread, here
+    two minutes, and run its exit handler: a preempted job kept alive past its grace period)."""
+    script = _write(
+        tmp_path / "threads.py",
+        """
+        import atexit, sys, threading, time
+        atexit.register(lambda: print("exit handler", flush=True))
+        threading.Thread(target=time.sleep, args=(120,)).start()  # not a daemon: python's exit would wait for it
+        print("buffered, never flushed")
+        print("ready", file=sys.stderr, flush=True)
+        time.sleep(120)
+        """,
+    )
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (stdout to a pipe: block-buffered)
+
+    def ended(command: list[str]) -> tuple[int, str, float]:
+        proc = subprocess.Popen(
+            command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert proc.stderr is not None
+        assert proc.stderr.readline().strip() == "ready"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=200)
+        return proc.returncode, out, time.monotonic() - t0
+
+    code_plain, out_plain, _ = ended([sys.executable, str(script)])
+    command = [sys.executable, "-m", "tpudiag", "capture", "--db", str(db), *NO_COLLECTORS, str(script)]
+    code_ours, out_ours, took = ended(command)
+    assert code_plain == code_ours == -signal.SIGTERM
+    assert out_plain == out_ours == ""
+    assert took < 60, took  # the run stored (seconds), not the thread's two minutes waited for
+    (run,) = _runs(db, tmp_path)
+    assert run["status"] == "interrupted" and run["exit_code"] == 143
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")

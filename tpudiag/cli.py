@@ -410,27 +410,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def console_main() -> None:
     code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    import signal
+
     from tpudiag import runner
 
+    if runner.ended_by_signal != signal.SIGTERM:  # (python killed by SIGTERM flushes nothing: ``die_of``)
+        sys.stdout.flush()
+    sys.stderr.flush()
     if runner.ended_by_signal is not None:
         die_of(runner.ended_by_signal)
     sys.exit(code)
 
 
 def die_of(sig: int) -> None:
-    """End this process as python ends a script that a signal ended: its non-daemon threads joined and its exit
-    handlers run (the interpreter's own order), then killed by ``sig`` with the default action.  Returns only if
-    the signal cannot be delivered (the caller exits with its code, as before)."""
+    """End this process as python ends a script that a signal ended, then kill it by ``sig`` with the default
+    action.  SIGINT (an uncaught KeyboardInterrupt): python finalizes first, its non-daemon threads joined and its
+    exit handlers run (the interpreter's own order), its output flushed.  SIGTERM: python dies at once, with no
+    exit handler run, no thread waited for and the output still in its buffers lost; so does the capture, once the
+    run is stored (a preempted job under tpudiag had waited for its threads and run its exit handlers: an upload
+    in an exit handler, or a thread that never ends, kept it alive past its grace period).  Returns only if the
+    signal cannot be delivered (the caller exits with its code, as before)."""
     import atexit
     import signal
     import threading
 
     try:
-        threading._shutdown()  # type: ignore[attr-defined]  # what finalization does first (waits for threads)
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
+        if sig != signal.SIGTERM:
+            threading._shutdown()  # type: ignore[attr-defined]  # what finalization does first (waits for threads)
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
         sys.stderr.flush()
         signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
