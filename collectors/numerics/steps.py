@@ -222,12 +222,7 @@ class StepBoundaries:
             if not st.partial:
                 st.schedule.step_done(signatures - st.signatures0)
                 self._replay_pending()
-                # The profile the unwatched steps repeat (``_replay``) is an ordinary step's: a trigger window's
-                # steps are the unusual ones (a planted slow step's sort, an evaluation), and the quiet steps after
-                # such a window had counted its extra calls as theirs, one per step (~19,000 sorts after a 5-step
-                # slow_step window on the long-run bench).  A window's step gives the profile only when none exists.
-                if not st.boost_step or st.profile is None:
-                    st.profile = mode.step_calls
+                st.profile = mode.step_calls
             elif st.profile is None:
                 st.profile = mode.step_calls
             checks_in_step = budget.check_s - st.check0
