@@ -30,6 +30,7 @@ def _trims(tmp_path: Path, monkeypatch: Any, trigger_at: int | None) -> list[int
         return real(min_interval_s, caller)
 
     monkeypatch.setattr(heap, "release", counting)
+    monkeypatch.setenv("TPUDIAG_SLOW_FACTOR", "1000")  # (no slow_step window from a loaded machine's hiccup)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
