@@ -410,15 +410,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def console_main() -> None:
     code = main()
-    import signal
-
     from tpudiag import runner
 
-    if runner.ended_by_signal != signal.SIGTERM:  # (python killed by SIGTERM flushes nothing: ``die_of``)
-        sys.stdout.flush()
-    sys.stderr.flush()
     if runner.ended_by_signal is not None:
-        die_of(runner.ended_by_signal)
+        die_of(runner.ended_by_signal)  # (flushes, or not, as python does for that signal)
+    sys.stdout.flush()
+    sys.stderr.flush()
     sys.exit(code)
 
 
