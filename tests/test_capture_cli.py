@@ -73,30 +73,35 @@ def test_a_relative_or_linked_script_sees_argv_path_and_globals_as_with_python(
     tmp_path: Path, db: Path, given: str
 ) -> None:
     # python: ``sys.argv[0]`` the path as typed, ``sys.path[0]`` the real directory of the script (a symbolic link
-    # resolved), the globals of its own ``__main__``.  ``__file__`` is the one difference kept: python joins a
-    # relative path to the working directory, the capture keeps it as typed (its stored source locations read so).
+    # resolved), ``__file__`` and the loader's path a relative path joined to the working directory (not
+    # normalized), the globals of its own ``__main__``.  A script that changes directory still finds the file next
+    # to it through ``__file__``.
     real = tmp_path / "proj" / "real"
     _write(real / "helper.py", "VALUE = 7\n")
     _write(
         real / "main.py",
         """
-        import json, sys
+        import json, os, sys
         import helper
         names = sorted((k, type(v).__name__) for k, v in dict(globals()).items())  # __loader__, __builtins__, ...
+        os.chdir("/")
+        with open(os.path.join(os.path.dirname(__file__), "data.txt")) as fh:
+            data = fh.read()
         print(json.dumps({"argv0": sys.argv[0], "path0": sys.path[0], "file": __file__, "value": helper.VALUE,
-                          "globals": names}))
+                          "globals": names, "loader": __loader__.path, "data": data}))
         """,
     )
-    (tmp_path / "links").mkdir()
+    _write(tmp_path / "links" / "data.txt", "next to the link")
+    _write(real / "data.txt", "next to the real file")
     (tmp_path / "links" / "main.py").symlink_to(real / "main.py")
     out = run_tpudiag("capture", "--db", str(db), *NO_COLLECTORS, given, cwd=tmp_path)
     direct = subprocess.run([sys.executable, given], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0 == direct.returncode, out.stderr + direct.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     plain = json.loads(direct.stdout.strip().splitlines()[-1])
-    assert plain["file"] == os.path.join(str(tmp_path), given) and got["file"] == given
-    del got["file"], plain["file"]
+    assert plain["file"] == plain["loader"] == os.path.join(str(tmp_path), given)
     assert got == plain
+    assert got["data"] == ("next to the link" if given.startswith("links") else "next to the real file")
     assert got["argv0"] == given and got["path0"] == str(real) and got["value"] == 7
 
 

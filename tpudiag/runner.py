@@ -125,18 +125,25 @@ def _strip_runner_frames(tb: TracebackType | None) -> TracebackType | None:
 def _run_script_file(path: str) -> dict[str, object]:
     """``runpy.run_path(path, run_name="__main__")`` for a script (source or compiled) file, with the globals of
     python's own ``__main__`` (``run_path`` leaves out ``__annotations__`` and the loader, and gives ``__builtins__``
-    as a dict)."""
+    as a dict).
+
+    ``__file__`` and the loader's path are the path python gives them: a relative one joined to the working directory
+    (not normalized: ``./t.py`` gives ``/cwd/./t.py``), so a script that changes directory still finds the files next
+    to it.  The code's file name stays the path as typed: the stored source locations (profiler stacks, numerics
+    sources, compile events: ``train.py:16``) and every reader of them take it so; python's tracebacks print the
+    joined path, the capture's the typed one."""
+    joined = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
     with io.open_code(path) as f:
         code = pkgutil.read_code(f)  # a .pyc file (None for source)
-    loader: importlib.abc.FileLoader = importlib.machinery.SourcelessFileLoader("__main__", path)
+    loader: importlib.abc.FileLoader = importlib.machinery.SourcelessFileLoader("__main__", joined)
     if code is None:
         with io.open_code(path) as f:
             code = compile(f.read(), path, "exec", dont_inherit=True)
-        loader = importlib.machinery.SourceFileLoader("__main__", path)
+        loader = importlib.machinery.SourceFileLoader("__main__", joined)
     # The globals python's own __main__ has (``add_main_module``, then the file's loader).
     module = types.ModuleType("__main__")
     module.__dict__.update(
-        __annotations__={}, __builtins__=builtins, __file__=path, __cached__=None, __loader__=loader,
+        __annotations__={}, __builtins__=builtins, __file__=joined, __cached__=None, __loader__=loader,
         __package__=None, __spec__=None,
     )  # fmt: skip
     saved = sys.modules.get("__main__")
@@ -238,9 +245,8 @@ def run(target: Target) -> Outcome:
     try:
         if target.kind == "script":
             # As python sets it, ``sys.path[0]`` is the real directory of a script file (a symbolic link resolved),
-            # a directory or zip file itself.  ``__file__`` (and the file name of the script's code) stays the path
-            # as typed, where python joins a relative one to the working directory: the stored source locations
-            # (``train.py:16``) and every reader of them take it so (noted in the CHANGELOG).
+            # a directory or zip file itself.  ``__file__`` is python's (a relative path joined to the working
+            # directory); the file name of the script's code stays the path as typed (``_run_script_file``).
             script = target.name
             sys.argv = [target.name, *target.args]
             script_dir = os.path.abspath(script) if os.path.isdir(script) else os.path.dirname(os.path.realpath(script))
