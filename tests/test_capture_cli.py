@@ -161,6 +161,60 @@ def test_module_mode_with_relative_imports(tmp_path: Path, db: Path) -> None:
     assert run["name"] == "mod-run" and run["script"] == "-m pkg.tool" and run["argv"] == ["21"]
 
 
+@pytest.mark.parametrize("kind", ["module", "directory", "zip"])
+def test_a_module_directory_or_zip_sees_what_python_gives_it_and_fails_with_pythons_traceback(
+    tmp_path: Path, db: Path, kind: str
+) -> None:
+    # python runs these three through runpy's ``_run_module_as_main``: its two frames head an uncaught error's
+    # traceback, ``sys.path[0]`` is the absolute path (the working directory for -m), ``sys.argv[0]`` the module's
+    # file for -m and the path as typed otherwise.
+    body = textwrap.dedent(
+        """
+        import json, sys
+        print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "file": __file__, "name": __name__,
+                          "spec": getattr(__spec__, "name", None), "package": __package__,
+                          "globals": sorted(k for k in globals() if k.startswith("__"))}))
+        def inner():
+            raise ValueError("boom")
+        inner()
+        """
+    )
+    if kind == "module":
+        _write(tmp_path / "pkg" / "__init__.py", "import sys\nprint('while found:', sys.argv)\n")  # ['-m', 'x']
+        _write(tmp_path / "pkg" / "boom.py", body)
+        given = ["-m", "pkg.boom"]
+    elif kind == "directory":
+        _write(tmp_path / "app" / "__main__.py", body)
+        given = ["app"]
+    else:
+        import zipfile
+
+        with zipfile.ZipFile(tmp_path / "app.zip", "w") as z:
+            z.writestr("__main__.py", body)
+        given = ["app.zip"]
+    out = run_tpudiag("capture", "--db", str(db), *NO_COLLECTORS, *given, "x", cwd=tmp_path)
+    direct = subprocess.run([sys.executable, *given, "x"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 1 == direct.returncode, out.stderr
+    assert out.stdout == direct.stdout
+    assert out.stderr.split("tpudiag: ")[0] == direct.stderr
+    assert 'File "<frozen runpy>"' in direct.stderr and "ValueError: boom" in direct.stderr
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen["path0"] == (str(tmp_path) if kind == "module" else str(tmp_path / given[0]))
+    assert seen["argv"][1:] == ["x"] and seen["name"] == "__main__"
+
+
+def test_a_missing_submodule_is_told_as_python_tells_it_and_its_package_runs_only_under_the_capture(
+    tmp_path: Path, db: Path
+) -> None:
+    _write(tmp_path / "pkg" / "__init__.py", "import sys\nprint('pkg imported with', sys.argv)\n")
+    out = run_tpudiag("capture", "--db", str(db), *NO_COLLECTORS, "-m", "pkg.nope", cwd=tmp_path)
+    direct = subprocess.run([sys.executable, "-m", "pkg.nope"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 1 == direct.returncode
+    assert out.stdout == direct.stdout == "pkg imported with ['-m']\n"
+    assert out.stderr.split("tpudiag: ")[0] == direct.stderr
+    assert "No module named pkg.nope" in direct.stderr
+
+
 def test_the_tpudiag_command_finds_a_module_in_the_working_directory_as_python_m_does(tmp_path: Path, db: Path) -> None:
     # The console script's own directory is its sys.path[0], not the working directory (``python -m tpudiag``, as
     # the other tests run it, has the working directory there and hid this: "no module named 'pkg'").

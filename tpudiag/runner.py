@@ -95,30 +95,28 @@ def check_target(target: Target) -> None:
             raise UsageError(f"can't find '__main__' module in {target.name!r}")
         return
     # Looked for where ``python -m`` looks (and ``run`` runs it): the working directory first, not the directory of
-    # the ``tpudiag`` command.
+    # the ``tpudiag`` command.  Only the top-level name: finding ``pkg.mod`` imports ``pkg``, whose ``__init__`` would
+    # then run here, before the capture and with tpudiag's ``sys.argv``; a missing submodule is told by runpy in
+    # python's own words when the script runs.
+    top = target.name.partition(".")[0]
     saved = sys.path[:1]
     sys.path[:1] = [os.getcwd()]
     try:
-        spec = importlib.util.find_spec(target.name)
+        spec = importlib.util.find_spec(top)
     except (ImportError, ValueError) as err:
         raise UsageError(f"no module named {target.name!r} ({err})") from None
     finally:
         sys.path[:1] = saved
     if spec is None:
-        raise UsageError(f"no module named {target.name!r}")
+        raise UsageError(f"no module named {top!r}")
 
 
 def _strip_runner_frames(tb: TracebackType | None) -> TracebackType | None:
-    """Drop the frames of tpudiag and runpy at the top so the traceback starts in the user's code."""
+    """Drop tpudiag's frames at the top, so the traceback starts where python's does: in the script's code for a
+    script file, in runpy's two frames (``_run_module_as_main``, ``_run_code``) for ``-m``, a directory or a zip."""
     here = os.path.dirname(os.path.abspath(__file__))
-    runpy_file = os.path.abspath(runpy.__file__)
-    while tb is not None:
-        raw = tb.tb_frame.f_code.co_filename
-        fname = os.path.abspath(raw)
-        if fname.startswith(here + os.sep) or fname == runpy_file or raw.startswith("<frozen runpy"):
-            tb = tb.tb_next
-            continue
-        break
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(here + os.sep):
+        tb = tb.tb_next
     return tb
 
 
@@ -141,19 +139,35 @@ def _run_script_file(path: str) -> dict[str, object]:
             code = compile(f.read(), path, "exec", dont_inherit=True)
         loader = importlib.machinery.SourceFileLoader("__main__", joined)
     # The globals python's own __main__ has (``add_main_module``, then the file's loader).
+    with _fresh_main() as module:
+        module.__dict__.update(__file__=joined, __cached__=None, __loader__=loader, __package__=None, __spec__=None)
+        exec(code, module.__dict__)
+    return module.__dict__
+
+
+def _run_as_main(name: str, module_switch: bool) -> dict[str, object]:
+    """What python does for ``-m name`` (``module_switch``) and for a directory or zip file with a ``__main__.py``
+    (``sys.path[0]`` already that path): ``runpy._run_module_as_main`` in a fresh ``__main__``.  ``run_module`` and
+    ``run_path`` differ from it in what the script sees (``run_path`` put the path as typed first on ``sys.path``)
+    and in the traceback of an uncaught error (python's starts in runpy's two frames)."""
+    with _fresh_main() as module:
+        run_globals = runpy._run_module_as_main(name, module_switch)  # type: ignore[attr-defined]
+    return run_globals if isinstance(run_globals, dict) else module.__dict__
+
+
+@contextlib.contextmanager
+def _fresh_main() -> Iterator[types.ModuleType]:
+    """A new ``__main__`` module with the globals python's has before it runs anything (``add_main_module``), in
+    ``sys.modules`` for the block; tpudiag's own ``__main__`` comes back after it."""
     module = types.ModuleType("__main__")
-    module.__dict__.update(
-        __annotations__={}, __builtins__=builtins, __file__=joined, __cached__=None, __loader__=loader,
-        __package__=None, __spec__=None,
-    )  # fmt: skip
+    module.__dict__.update(__annotations__={}, __builtins__=builtins)
     saved = sys.modules.get("__main__")
     sys.modules["__main__"] = module
     try:
-        exec(code, module.__dict__)
+        yield module
     finally:
         if saved is not None:
             sys.modules["__main__"] = saved
-    return module.__dict__
 
 
 def _print_exception(exc: BaseException) -> str:
@@ -249,20 +263,21 @@ def run(target: Target) -> Outcome:
             # directory); the file name of the script's code stays the path as typed (``_run_script_file``).
             script = target.name
             sys.argv = [target.name, *target.args]
-            script_dir = os.path.abspath(script) if os.path.isdir(script) else os.path.dirname(os.path.realpath(script))
+            as_file = pkgutil.get_importer(script) is None  # a script file (runpy's own test: no sys.path entry)
+            script_dir = os.path.dirname(os.path.realpath(script)) if as_file else os.path.abspath(script)
             if sys.path:
                 sys.path[0] = script_dir
             else:
                 sys.path.insert(0, script_dir)
-            if pkgutil.get_importer(script) is None:  # a script file (runpy's own test: no sys.path entry)
+            if as_file:
                 _SCRIPT_GLOBALS.append(_run_script_file(script))
-            else:  # a directory or zip file with a __main__.py
-                _SCRIPT_GLOBALS.append(runpy.run_path(target.name, run_name="__main__"))
+            else:  # a directory or zip file with a __main__.py, found through sys.path[0]
+                _SCRIPT_GLOBALS.append(_run_as_main("__main__", module_switch=False))
         else:
-            sys.argv = [target.name, *target.args]  # run_module replaces argv[0] with the module's file
+            sys.argv = ["-m", *target.args]  # as python's while the module is found, then the module's file
             if sys.path:
                 sys.path[0] = os.getcwd()
-            _SCRIPT_GLOBALS.append(runpy.run_module(target.name, run_name="__main__", alter_sys=True))
+            _SCRIPT_GLOBALS.append(_run_as_main(target.name, module_switch=True))
         return Outcome(0, "ok")
     except SystemExit as exc:
         code = _exit_code_of(exc)
