@@ -41,7 +41,6 @@ from typing import Any
 import torch  # the capture has it loaded: this module is imported when a capture starts
 
 from tpudiag import internal_errors
-from tpudiag.cadence import settling_interval
 from tpudiag.collectors.root_steps import RootSteps
 from tpudiag.longrun import control, probes
 from tpudiag.longrun.manual import POLL_S
@@ -50,12 +49,6 @@ from tpudiag.longrun.triggers import MEDIAN_EVERY, SlowSteps
 from tpudiag.plugins import CaptureContext
 
 FULL_EVERY = 64
-# The records go to the writer thread every WRITE_EVERY_S seconds at the run's start, then less often as the run gets
-# older (``tpudiag.cadence.settling_interval``: a twentieth of its age, up to 30 s from the tenth minute on), or at
-# WAKE_ROWS records.  Each hand-off's table is a spool part of its own with a fixed cost whatever it carries (the
-# parquet writer, the feeder's load of the part): every 5 s it was ~0.25% of a core on the long-run bench loop for
-# the whole run, on the script's core where nothing else is free, and 12 parts a minute for the feeder.  Minutes into
-# a job the store's readers see the pulse as late as they see the rest (the flusher slows the same way).
 WRITE_EVERY_S = 5.0
 WAKE_ROWS = 20_000
 
@@ -135,7 +128,7 @@ class PulseRecorder:
         self._stride = Stride()  # the gradient check, thinned on fast steps (tpudiag.longrun.stride)
         self._check_every_ns = int(self._stride.every_s * 1e9)
         self._next_check_ns = 0  # perf_counter_ns at which the next gradient check is due (after the first steps)
-        self._born_ns = time.perf_counter_ns()  # the run's age for the hand-off's cadence
+        self._hand_every_ns = int(WRITE_EVERY_S * 1e9)
         self._hand_ns = 0  # perf_counter_ns at which the records go to the writer
         self._due_ns = 0  # the earliest of the two: ``_due`` runs at this clock ...
         self._due_step = 0  # ... or at this step
@@ -181,7 +174,7 @@ class PulseRecorder:
         call a cold frame): the common step reads two clocks and a few counters, compares its period with a
         precomputed threshold, and appends one tuple.  What is rare runs only when its counter or clock says so:
         a gradient check to read or to start, a compile event, the checker's or a background thread's time to take
-        out, a period over the threshold, and (every ``MEDIAN_EVERY`` steps or when the hand-off is due, ``_due``)
+        out, a period over the threshold, and (every ``MEDIAN_EVERY`` steps or ``WRITE_EVERY_S`` seconds, ``_due``)
         the rolling median and the hand-off of the records to the writer thread, which builds the table."""
         end = time.perf_counter_ns()
         self.ended = True
@@ -372,7 +365,7 @@ class PulseRecorder:
             threshold = self.slow.refresh()
             self._slow_ns = threshold * 1e9 if threshold is not None else math.inf
         if end >= self._hand_ns or len(self._batch) >= WAKE_ROWS:
-            self._hand_ns = end + int(settling_interval(WRITE_EVERY_S, (end - self._born_ns) * 1e-9) * 1e9)
+            self._hand_ns = end + self._hand_every_ns
             self._hand_off()
         self._due_ns = min(self._next_check_ns, self._hand_ns)
 

@@ -7,7 +7,6 @@ after it starts.  Each round has a fixed cost whatever it carries: the feeder op
 busy that CPU is the training loop's.  Minutes into a job nobody needs the store to be 10 s behind it, so the wait
 grows with the run's age, one twentieth of it, up to 30 s: every 10 s for the first 200 s, every 30 s from the
 tenth minute on (the feeder's steady share falls to about 0.3%).  A longer ``TPUDIAG_FLUSH_S`` is kept as it is.
-The pulse hands its records to its writer thread on the same clock (``collectors/pulse.py``: a spool part each).
 
 The feeder's own clock (``unwatched_interval``) slows faster, to half the run's age, up to every two minutes
 (from the fourth minute on): its loads are for the store's readers, and a reader asks for one when it reads
