@@ -150,9 +150,9 @@ def _run_as_main(name: str, module_switch: bool) -> dict[str, object]:
     (``sys.path[0]`` already that path): ``runpy._run_module_as_main`` in a fresh ``__main__``.  ``run_module`` and
     ``run_path`` differ from it in what the script sees (``run_path`` put the path as typed first on ``sys.path``)
     and in the traceback of an uncaught error (python's starts in runpy's two frames)."""
-    with _fresh_main() as module:
-        run_globals = runpy._run_module_as_main(name, module_switch)  # type: ignore[attr-defined]
-    return run_globals if isinstance(run_globals, dict) else module.__dict__
+    with _fresh_main() as module:  # (runpy runs the code in ``sys.modules["__main__"].__dict__``: this module's)
+        runpy._run_module_as_main(name, module_switch)  # type: ignore[attr-defined]
+    return module.__dict__
 
 
 @contextlib.contextmanager
