@@ -91,7 +91,8 @@ _compiling = 0  # Dynamo compiles in progress (the original __call__ is in place
 _callbacks: tuple[Any, Any] | None = None
 _roots_only = False  # every listener needs only root calls (``refresh``)
 _known_roots = False  # ... and only those of classes already seen as roots (class mode allowed)
-_local = threading.local()  # ``depth``: eager module calls in progress on this thread
+_local = threading.local()  # ``depth``: eager module calls in progress on this thread (not the main thread) ...
+_main_depth = 0  # ... and on the main thread (a module global: read on every steady root call, see ``_call``)
 _Module = torch.nn.Module
 MAX_ROOT_CLASSES = 64  # more distinct root classes than this: the wrapper stays on nn.Module
 _root_classes: dict[type[Any], bool] = {}  # classes seen as roots -> whether their ``__call__`` is torch's
@@ -141,12 +142,50 @@ def class_mode() -> bool:
     return _class_mode
 
 
+def current_depth() -> int:
+    """Entered module calls in progress on this thread."""
+    return _main_depth if _get_ident() == _main_ident else int(getattr(_local, "depth", 0))
+
+
 def installed() -> bool:
     return _original is not None
 
 
 # -- the wrapper ------------------------------------------------------------------------------------------------
 def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    global _main_depth
+    gate = _gate
+    if gate.ready and id(self) == gate.module_id and not _main_depth and _get_ident() == _main_ident:
+        # A steady step's root call (``collectors/steady_steps.py``), the common root call of a long run, checked
+        # before anything else is read: on a step whose caches the script has just filled each object touched is a
+        # cache miss (this order and the main thread's depth in a module global, not a ``threading.local``, took
+        # ~4 us off each step of the long-run bench loop, measured in one process against torch's own call).
+        try:  # (an input whose shape raises, a nested tensor's: never into the script's call)
+            if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:
+                key: Any = (args[0].shape, args[0].dtype)
+            else:
+                key = steady_steps.key(args, kwargs)
+        except Exception:
+            key = None
+        if (
+            key == gate.key
+            and gate.left
+            and not gate.byroot
+            and type(self) is gate.cls
+            and _roots_only
+            and not compiling._is_compiling_flag
+        ):
+            gate.starts.append(_perf_counter_ns())
+            gate.ready = False
+            gate.begun = True
+            original = _Module.__call__ if _class_mode else _original or _torch_call
+            if original is _call:
+                original = _original or _torch_call
+            _main_depth = 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _main_depth = 0
     if _class_mode:
         # The wrapper is this class's ``__call__``: on to whatever nn.Module's is now (a tracer may have patched it).
         original = _Module.__call__
@@ -154,7 +193,9 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             original = _original or _torch_call
     else:
         original = _original or _torch_call
-    if _roots_only and getattr(_local, "depth", 0) > 0:
+    main = _get_ident() == _main_ident
+    depth = _main_depth if main else getattr(_local, "depth", 0)
+    if _roots_only and depth > 0:
         # Nested in an entered call (most module calls of a step): nothing to enter, and no count either
         # (``depth`` only tells an entered call is in progress on this thread; the entered call restores it).
         # This comes before the compiling check, which cost as much as the rest of this path (~0.5 us a call):
@@ -167,20 +208,12 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     listeners = _listeners
     if not listeners:
         return original(self, *args, **kwargs)
-    local = _local
-    depth = getattr(local, "depth", 0)
-    gate = _gate
     if not depth and (gate.ready or gate.starts):  # (a steady step ``begun`` has its start in ``starts``)
-        # A steady step's root call (``collectors/steady_steps.py``): its start taken, no listener entered.  Another
-        # call of the same root with the same inputs inside a steady step (gradient accumulation's micro-batches)
-        # is steady too while the step is younger than the shortest step a root call may end (``root_steps``).
-        if (
-            gate.left
-            and _roots_only
-            and id(self) == gate.module_id
-            and type(self) is gate.cls
-            and _get_ident() == _main_ident
-        ):
+        # A steady step's root call that the first test did not take (``gate.ready`` and a steady step begun, or a
+        # step ended by root calls), or another call of the same root with the same inputs inside a steady step
+        # (gradient accumulation's micro-batches), steady too while the step is younger than the shortest step a
+        # root call may end (``root_steps``).
+        if gate.left and _roots_only and id(self) == gate.module_id and type(self) is gate.cls and main:
             try:  # (an input whose shape raises, a nested tensor's: never into the script's call)
                 key = (
                     (args[0].shape, args[0].dtype)
@@ -207,22 +240,22 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                     gate.last_end = now
                     gate.left -= 1
                     gate.steady += 1
-                    local.depth = 1
+                    _main_depth = 1
                     try:
                         return original(self, *args, **kwargs)
                     finally:
-                        local.depth = 0
+                        _main_depth = 0
             elif key == gate.key and (gate.ready or (gate.begun and now - gate.starts[-1] < gate.long_ns)):
                 if gate.ready:
                     gate.starts.append(now)
                     gate.ready = False
                     gate.begun = True
-                local.depth = 1
+                _main_depth = 1
                 try:
                     return original(self, *args, **kwargs)
                 finally:
-                    local.depth = 0
-        if _get_ident() == _main_ident:
+                    _main_depth = 0
+        if main:
             # A root call the listeners take: the next steady step waits for a step's end, and the listeners find
             # the collectors as the steady steps left them.
             gate.ready = False
@@ -232,22 +265,34 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     # Listeners are entered in ``_enter_all`` only, never from this frame: Dynamo skips that function and all it
     # calls (``_mark_for_dynamo``), not what this frame calls (the module's own forward must compile as usual).
     tokens = _enter_all(listeners, self, args, kwargs)
-    if gate.root_ended and not depth and _get_ident() == _main_ident:
+    if gate.root_ended and not depth and main:
         # The listeners ended a step at this root call and began the next: the next root calls may be steady.
         steady_steps.reopen_by_root()
-    local.depth = depth + 1
+    if main:
+        _main_depth = depth + 1
+    else:
+        _local.depth = depth + 1
     if tokens is None:  # no listener wants this call's exit
         try:
             return original(self, *args, **kwargs)
         finally:
-            local.depth = depth
+            if main:
+                _main_depth = depth
+            else:
+                _local.depth = depth
     try:
         output = original(self, *args, **kwargs)
     except BaseException:
-        local.depth = depth
+        if main:
+            _main_depth = depth
+        else:
+            _local.depth = depth
         _exit_all(listeners, tokens, self, None, True)
         raise
-    local.depth = depth
+    if main:
+        _main_depth = depth
+    else:
+        _local.depth = depth
     _exit_all(listeners, tokens, self, output, False)
     return output
 

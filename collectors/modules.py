@@ -215,7 +215,7 @@ class ModuleTracker:
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._stack()
-        if not stack and self.roots_only and getattr(module_calls._local, "depth", 0) > 0:
+        if not stack and self.roots_only and module_calls.current_depth() > 0:
             return module_calls.NO_EXIT  # nested in a root call not kept (below): nothing to track
         is_root = not stack
         if is_root and self._root() is module:

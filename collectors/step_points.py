@@ -68,6 +68,7 @@ _gate = steady_steps.gate
 _STATE = control.STATE
 _get_ident = threading.get_ident
 _perf_counter_ns = time.perf_counter_ns
+_compiling = module_calls.compiling
 
 
 def _reorder() -> None:
@@ -128,11 +129,10 @@ def add(
 
 
 def _on_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if module_calls.compiling._is_compiling_flag:  # ``torch.compiler.is_compiling()``, without its frames
-        return
     gate = _gate
-    if gate.begun and gate.left and not gate.byroot and id(optimizer) == _leader and _get_ident() == _main_ident:
-        # A steady step's end (``collectors/steady_steps.py``): its end taken, no callback called.
+    if gate.begun and id(optimizer) == _leader and gate.left and not gate.byroot and _get_ident() == _main_ident:
+        # A steady step's end (``collectors/steady_steps.py``): its end taken, no callback called.  Tested first,
+        # the compiling flag last (reading the gate is harmless while Dynamo traces: it skips this frame).
         end = _perf_counter_ns()
         state = _STATE
         if (
@@ -140,6 +140,7 @@ def _on_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
             and end - gate.last_end <= gate.slow_ns
             and state.compiles == gate.compiles
             and not state.pending
+            and not _compiling._is_compiling_flag
         ):
             if _inside:
                 _inside.clear()
@@ -150,6 +151,8 @@ def _on_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
             gate.left -= 1
             gate.steady += 1
             return
+    if _compiling._is_compiling_flag:  # ``torch.compiler.is_compiling()``, without its frames
+        return
     main = _get_ident() == _main_ident
     if not main:
         gate.shut()  # (another thread's optimizer never leads: the main thread's steps would end nowhere)

@@ -274,3 +274,36 @@ def test_a_root_class_that_refuses_the_wrapper_keeps_it_on_nn_module_and_every_r
         assert not module_calls.class_mode() and torch.nn.Module.__call__ is module_calls._call
         Root()(x)
         assert roots.entered == ["Frozen", "Frozen", "Root"]
+
+
+def test_depth_is_per_thread_a_root_call_on_another_thread_inside_the_main_threads_call_is_a_root() -> None:
+    # The main thread's depth is a module global, the other threads' a threading.local (``module_calls._call``): a
+    # call made on another thread while the main thread is inside a root call is that thread's root call, and
+    # ``current_depth`` reads each thread's own depth.
+    import threading
+
+    roots = Recorder(roots_only=True)
+    inner = torch.nn.Linear(4, 4)
+    seen: dict[str, int] = {}
+
+    class Outer(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen["main"] = module_calls.current_depth()
+
+            def other() -> None:
+                seen["other"] = module_calls.current_depth()
+                inner(torch.randn(2, 4))
+
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+            return inner(x)  # nested on the main thread: not a root call
+
+    module_calls.add(roots)
+    try:
+        Outer()(torch.randn(2, 4))
+        after = module_calls.current_depth()
+    finally:
+        module_calls.remove(roots)
+    assert roots.entered == ["Outer", "Linear"] and sorted(roots.exited) == sorted(roots.entered)
+    assert seen == {"main": 1, "other": 0} and after == 0
