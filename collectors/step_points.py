@@ -20,8 +20,9 @@ collector ends steps at its root module's calls instead (``collectors/root_steps
 calls the callbacks added with ``by_root`` (the memory reading and the pulse; the numerics collector makes its own
 root-forward steps) with None for the optimizer.  ``main_thread_only`` callbacks are skipped when a step ends on
 another thread.  One that raises is recorded in ``tpudiag.internal_errors`` and the others still run.  While Dynamo
-traces a compiled optimizer step the hook returns at once, before reading any tpudiag state (and Dynamo skips its
-frame and all it calls): the hook dict it guards on holds the same single hook for the whole capture.
+traces a compiled optimizer step the hook changes nothing and calls nothing: it reads the steady gate first (the
+common step's test), then returns on the compiling flag (and Dynamo skips its frame and all it calls): the hook dict
+it guards on holds the same single hook for the whole capture.
 
 Steady steps (``collectors/steady_steps.py``): while every callback's part says its quiet path would run, the
 leading optimizer's step end only appends a timestamp; the first full step end after them hands them to the parts
