@@ -154,12 +154,20 @@ def installed() -> bool:
 # -- the wrapper ------------------------------------------------------------------------------------------------
 def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     global _main_depth
+    if _class_mode:
+        # The wrapper is this class's ``__call__``: on to whatever nn.Module's is now (a tracer may have patched it).
+        original = _Module.__call__
+        if original is _call:
+            original = _original or _torch_call
+    else:
+        original = _original or _torch_call
     gate = _gate
     if gate.ready and id(self) == gate.module_id and not _main_depth and _get_ident() == _main_ident:
         # A steady step's root call (``collectors/steady_steps.py``), the common root call of a long run, checked
-        # before anything else is read: on a step whose caches the script has just filled each object touched is a
-        # cache miss (this order and the main thread's depth in a module global, not a ``threading.local``, took
-        # ~4 us off each step of the long-run bench loop, measured in one process against torch's own call).
+        # before anything else but the call to hand on is read: on a step whose caches the script has just filled
+        # each object touched is a cache miss (this order and the main thread's depth in a module global, not a
+        # ``threading.local``, took ~4 us off each step of the long-run bench loop, measured in one process against
+        # torch's own call).
         try:  # (an input whose shape raises, a nested tensor's: never into the script's call)
             if not kwargs and len(args) == 1 and type(args[0]) is _Tensor:
                 key: Any = (args[0].shape, args[0].dtype)
@@ -178,21 +186,11 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             gate.starts.append(_perf_counter_ns())
             gate.ready = False
             gate.begun = True
-            original = _Module.__call__ if _class_mode else _original or _torch_call
-            if original is _call:
-                original = _original or _torch_call
             _main_depth = 1
             try:
                 return original(self, *args, **kwargs)
             finally:
                 _main_depth = 0
-    if _class_mode:
-        # The wrapper is this class's ``__call__``: on to whatever nn.Module's is now (a tracer may have patched it).
-        original = _Module.__call__
-        if original is _call:
-            original = _original or _torch_call
-    else:
-        original = _original or _torch_call
     main = _get_ident() == _main_ident
     depth = _main_depth if main else getattr(_local, "depth", 0)
     if _roots_only and depth > 0:
@@ -272,29 +270,20 @@ def _call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         _main_depth = depth + 1
     else:
         _local.depth = depth + 1
-    if tokens is None:  # no listener wants this call's exit
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            if main:
-                _main_depth = depth
-            else:
-                _local.depth = depth
+    output: Any = None
+    failed = True
     try:
         output = original(self, *args, **kwargs)
-    except BaseException:
+        failed = False
+        return output
+    finally:
+        # The depth first, then the listeners' exits (none when no listener wants this call's exit: ``tokens``).
         if main:
             _main_depth = depth
         else:
             _local.depth = depth
-        _exit_all(listeners, tokens, self, None, True)
-        raise
-    if main:
-        _main_depth = depth
-    else:
-        _local.depth = depth
-    _exit_all(listeners, tokens, self, output, False)
-    return output
+        if tokens is not None:
+            _exit_all(listeners, tokens, self, output, failed)
 
 
 def _enter_all(
