@@ -436,10 +436,9 @@ def die_of(sig: int) -> None:
             threading._shutdown()  # type: ignore[attr-defined]  # what finalization does first (waits for threads)
             atexit._run_exitfuncs()
             sys.stdout.flush()
-        sys.stderr.flush()
-        signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
-        signal.pthread_kill(threading.get_ident(), sig)  # (to this thread: delivered before the call returns)
+        from tpudiag import termination
+
+        termination.kill_self(sig)  # (to this thread: delivered before the call returns)
     except Exception:  # (a handler that raises is printed by atexit itself, as python prints it)
         return
 

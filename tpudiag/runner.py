@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 
-from tpudiag import forks
+from tpudiag import forks, termination
 from tpudiag.errors import UsageError
 
 
@@ -82,7 +82,9 @@ def tell_failure(exc: BaseException) -> None:
 
 
 class Terminated(BaseException):
-    """Raised in the main thread on SIGTERM so the capture can finish storing the run."""
+    """Raised in the main thread on SIGTERM, to unwind the script's stack and store the run after it, where the run
+    is not stored from the signal handler (no ``on_sigterm``, or ``tpudiag.termination`` gave up waiting for the
+    script's own code)."""
 
 
 def check_target(target: Target) -> None:
@@ -242,15 +244,40 @@ def _default_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def run(target: Target) -> Outcome:
-    """Run the target in this process and report how it ended."""
+def run(target: Target, on_sigterm: Callable[[Outcome], None] | None = None) -> Outcome:
+    """Run the target in this process and report how it ended.
+
+    ``on_sigterm``: what stores the run when SIGTERM ends the script (where the script has left SIGTERM's default
+    disposition): called from the signal handler, with the script's stack as the signal found it, and the process
+    then dies of the signal (``tpudiag.termination``).  Without it the script's stack is unwound (``Terminated``)
+    and ``run`` returns the outcome."""
+    outcome = _run(target, on_sigterm)
+    if termination.pending() and outcome.status != "interrupted":
+        # A SIGTERM asked again (tpudiag's own code was running) that the script's end overtook: it ended the run.
+        _ended_by(signal.SIGTERM)
+        return Outcome(143, "interrupted", "SIGTERM")
+    return outcome
+
+
+def _run(target: Target, on_sigterm: Callable[[Outcome], None] | None) -> Outcome:
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     previous_term = signal.getsignal(signal.SIGTERM)
     forget_child: forks.ChildHook | None = None
+    termination.reset()
     if previous_term in (signal.SIG_DFL, None):
 
         def on_term(signum: int, frame: FrameType | None) -> None:
-            raise Terminated()
+            if on_sigterm is None or forks.in_child():
+                raise Terminated()
+            decision = termination.decide(frame)
+            if decision == termination.LATER:
+                termination.ask_again()  # tpudiag's own code runs: the script's comes back in a moment
+                return
+            if decision == termination.UNWIND:
+                raise Terminated()
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # another SIGTERM must not cut the store write short
+            _ended_by(signal.SIGTERM)
+            termination.finish(lambda: on_sigterm(Outcome(143, "interrupted", "SIGTERM")))
 
         signal.signal(signal.SIGTERM, on_term)
         # A child forked by the script (a DataLoader worker) dies of SIGTERM as it would without tpudiag: the

@@ -10,6 +10,7 @@ next tpudiag command on that host loads the spool and marks the run ``interrupte
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tpudiag import forks, runner
@@ -29,7 +30,15 @@ def _warn(text: str) -> None:
     sys.stderr.flush()
 
 
-def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock | None = None) -> CaptureResult:
+def capture_script(
+    target: runner.Target,
+    options: CaptureOptions,
+    clock: Clock | None = None,
+    closing: Callable[[CaptureResult], None] | None = None,
+) -> CaptureResult:
+    """Capture the script's run and store it.  ``closing``: what the command prints once the run is stored; given,
+    a SIGTERM that ends the script stores the run from its handler, prints that, and the process dies of the signal
+    there, with the script's stack left as it was (``tpudiag.termination``)."""
     clock = clock or SystemClock()
     runner.check_target(target)
     # Threads started during set-up (DuckDB's, the profiler's, the flusher) leave SIGINT/SIGTERM to the thread
@@ -58,10 +67,9 @@ def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock 
     spawned = reach.install(
         run.id, run_dir, options.collect, options.collector_options, options.flush_interval_s, session.ctx
     )
-    with runner.sigterm_restored():  # the caller's SIGTERM handling once the run is stored
-        outcome = runner.run(target)
-        if forks.in_child():  # a child the script forked ran on to its end: it exits as without tpudiag
-            return CaptureResult(run.id, outcome.exit_code, outcome.status, [], session.ctx, False, forked_child=True)
+
+    def store_run(outcome: runner.Outcome) -> CaptureResult:
+        """The run stored once the script has ended (or, at SIGTERM, from the signal handler: ``on_sigterm``)."""
         if spawned is not None:
             spawned.remove()
             if spawned.used and isinstance(sink, StoreLater):
@@ -91,6 +99,19 @@ def capture_script(target: runner.Target, options: CaptureOptions, clock: Clock 
         result.internal_errors = session.internal_errors_line
         return result
 
+    def store_at_sigterm(outcome: runner.Outcome) -> None:
+        assert closing is not None
+        try:
+            closing(store_run(outcome))
+        except StoreError as err:  # (as the command says it when the script has ended)
+            _warn(str(err))
+
+    with runner.sigterm_restored():  # the caller's SIGTERM handling once the run is stored
+        outcome = runner.run(target, on_sigterm=store_at_sigterm if closing is not None else None)
+        if forks.in_child():  # a child the script forked ran on to its end: it exits as without tpudiag
+            return CaptureResult(run.id, outcome.exit_code, outcome.status, [], session.ctx, False, forked_child=True)
+        return store_run(outcome)
+
 
 def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
     """The capture command's body: capture, print the one closing line, return the script's exit code."""
@@ -110,17 +131,22 @@ def run_capture_cli(target: runner.Target, options: CaptureOptions) -> int:
 
             result = launch.capture_launcher(target, options, upload=upload)
         else:
-            result = capture_script(target, options)
+            result = capture_script(target, options, closing=lambda r: _closing(r, options))
     except StoreError as err:
         # The script may already have run; its data stays in the spool for the next command to recover.
         _warn(str(err))
         return err.exit_code
     if result.forked_child:
         return result.exit_code
+    _closing(result, options)
+    return result.exit_code
+
+
+def _closing(result: CaptureResult, options: CaptureOptions) -> None:
+    """The command's closing lines: tpudiag's own errors, the notes, where the run is stored."""
     if result.internal_errors:
         _warn(result.internal_errors)
     for note in result.context.notes:
         _warn(f"note: {note}")
     later = "" if result.stored else " in the background (tpudiag commands wait for it)"
     _warn(f"run {result.run_id} ({result.status}, exit {result.exit_code}) stored in {options.db}{later}")
-    return result.exit_code

@@ -38,7 +38,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return runner.run(target).exit_code
     session = WorkerSession(config, RankIdentity.from_env())
     session.start()
-    outcome = runner.run(target)
+
+    def store_at_sigterm(outcome: runner.Outcome) -> None:
+        # From the signal handler, the rank's stack left as it was; the worker then dies of the signal, as python
+        # would (torchrun's agent stops the other ranks of a failed job with SIGTERM).
+        session.finish(outcome.status, outcome.exit_code, outcome.error)
+
+    outcome = runner.run(target, on_sigterm=store_at_sigterm)
     if not forks.in_child():  # (a child the script forked, run on to its end, exits as without tpudiag)
         session.finish(outcome.status, outcome.exit_code, outcome.error)
     return outcome.exit_code
