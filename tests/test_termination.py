@@ -154,6 +154,18 @@ def test_a_step_hook_and_a_compile_in_progress_are_tpudiags_own_code() -> None:
         module_calls._compiling = saved
 
 
+def test_an_import_in_progress_is_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module's body runs under importlib's module lock, and a store in the middle would meet the half-imported
+    module: the signal is asked again until the import is over."""
+    (tmp_path / "half_imported.py").write_text("import sys\nFRAME = sys._getframe()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    here = sys._getframe()
+    import half_imported  # type: ignore[import-not-found]
+
+    assert termination.busy(half_imported.FRAME, boundary=here)
+    sys.modules.pop("half_imported", None)
+
+
 def test_the_signal_is_asked_again_then_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """In tpudiag's own code the handler returns and asks again; after ``GIVE_UP_S`` it unwinds as before."""
     frames: list[FrameType] = []

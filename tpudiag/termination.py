@@ -10,7 +10,8 @@ of the signal's default action (``kill_self``): the script's frames stay where t
 
 Storing from inside the script's stack is safe only while the main thread runs the script's code, or torch's: not
 while it runs tpudiag's own (a step hook, a collector's step end, the numerics mode between ops, a lock of
-tpudiag's held) or Dynamo compiles (tpudiag's compile callbacks are half done).  ``decide`` reads the interrupted
+tpudiag's held), Dynamo compiles (tpudiag's compile callbacks are half done), or an import or ``threading`` holds
+a lock of theirs that the store takes too.  ``decide`` reads the interrupted
 stack: a tpudiag frame that is not a hand-off to the script's code (the module-call wrapper or the compiled-graph
 wrapper, each inside the call it hands on), or a compile in progress, makes it ``LATER``: the handler returns at
 once and the signal is sent to the main thread again ``RETRY_EVERY_S`` later (from a thread that lives for that
@@ -101,12 +102,22 @@ def busy(frame: FrameType | None, boundary: FrameType | None = None) -> bool:
         name = _ours(f.f_code)
         if name == RUNNER:
             return False
+        if name is None and _holds_shared_locks(f.f_code):
+            return True
         if name is not None and (innermost or callee_ours or (name, f.f_code.co_name) not in HAND_OFFS):
             return True
         callee_ours = name is not None
         innermost = False
         f = f.f_back
     return False
+
+
+def _holds_shared_locks(code: CodeType) -> bool:
+    """Code that may hold a lock the store needs too: an import in progress (importlib's module locks; the store
+    would also meet the half-imported module) or ``threading``'s own (``Thread.start`` holds a module lock that
+    starting the store's threads takes)."""
+    filename = code.co_filename
+    return filename.startswith("<frozen importlib") or filename == threading.__file__
 
 
 def decide(frame: FrameType | None) -> str:
