@@ -166,6 +166,22 @@ def test_an_import_in_progress_is_waited_for(tmp_path: Path, monkeypatch: pytest
     sys.modules.pop("half_imported", None)
 
 
+def test_threadings_code_is_waited_for_only_while_it_holds_its_module_locks() -> None:
+    """A script waiting in ``threading`` (a join, a queue) is interrupted there often and holds nothing the store
+    needs; a thread's end holds a module lock (not reentrant) that joining the store's threads takes."""
+    import threading
+
+    frames: list[FrameType] = []
+    thread = threading.Thread(target=lambda: frames.append(sys._getframe()))
+    thread.start()
+    thread.join()
+    (frame,) = frames
+    assert frame.f_back is not None and frame.f_back.f_code.co_filename == threading.__file__
+    assert not termination.busy(frame)
+    with threading._shutdown_locks_lock:  # type: ignore[attr-defined]
+        assert termination.busy(frame)
+
+
 def test_the_signal_is_asked_again_then_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """In tpudiag's own code the handler returns and asks again; after ``GIVE_UP_S`` it unwinds as before."""
     frames: list[FrameType] = []

@@ -114,10 +114,20 @@ def busy(frame: FrameType | None, boundary: FrameType | None = None) -> bool:
 
 def _holds_shared_locks(code: CodeType) -> bool:
     """Code that may hold a lock the store needs too: an import in progress (importlib's module locks; the store
-    would also meet the half-imported module) or ``threading``'s own (``Thread.start`` holds a module lock that
-    starting the store's threads takes)."""
+    would also meet the half-imported module), or ``threading``'s code while one of its module locks is taken
+    (a thread's end holds one that joining the store's threads takes; a script that waits in ``join`` or on a
+    queue, where the signal often lands, holds none)."""
     filename = code.co_filename
-    return filename.startswith("<frozen importlib") or filename == threading.__file__
+    if filename.startswith("<frozen importlib"):
+        return True
+    return filename == threading.__file__ and any(lock.locked() for lock in _threading_locks())
+
+
+def _threading_locks() -> list[Any]:
+    """``threading``'s module locks that deadlock when the thread that holds one takes it again (an ``RLock`` does
+    not: taken again by the main thread, it is the main thread's)."""
+    locks = (getattr(threading, name, None) for name in ("_active_limbo_lock", "_shutdown_locks_lock"))
+    return [lock for lock in locks if lock is not None and hasattr(lock, "locked")]
 
 
 def decide(frame: FrameType | None) -> str:
