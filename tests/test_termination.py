@@ -136,16 +136,7 @@ def test_a_forward_called_through_the_module_wrapper_is_the_scripts_code_its_lis
 
 def test_a_step_hook_and_a_compile_in_progress_are_tpudiags_own_code() -> None:
     here = sys._getframe()
-    frames: list[FrameType] = []
-    handle = step_points.add(lambda opt: frames.append(sys._getframe()), step_points.READ, "test")
-    try:
-        p = nn.Parameter(torch.ones(2))
-        opt = torch.optim.SGD([p], lr=0.1)
-        p.grad = torch.ones(2)
-        opt.step()
-    finally:
-        handle.remove()
-    assert frames and termination.busy(frames[0], boundary=here)
+    assert termination.busy(_step_hook_frame(), boundary=here)
     saved = module_calls._compiling
     module_calls._compiling = 1  # (what Dynamo's compile start callback sets)
     try:
@@ -184,6 +175,19 @@ def test_threadings_code_is_waited_for_only_while_it_holds_its_module_locks() ->
 
 def test_the_signal_is_asked_again_then_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """In tpudiag's own code the handler returns and asks again; after ``GIVE_UP_S`` it unwinds as before."""
+    frame = _step_hook_frame()
+    termination.reset()
+    try:
+        assert termination.decide(frame) == termination.LATER
+        monkeypatch.setattr(termination, "GIVE_UP_S", 0.0)
+        assert termination.decide(frame) == termination.UNWIND
+        assert termination.decide(sys._getframe()) == termination.NOW  # (the test's own stack: nothing of ours)
+    finally:
+        termination.reset()
+
+
+def _step_hook_frame() -> FrameType:
+    """The frame of a step-end callback, called by tpudiag's optimizer hook at a real optimizer step's end."""
     frames: list[FrameType] = []
     handle = step_points.add(lambda opt: frames.append(sys._getframe()), step_points.READ, "test")
     try:
@@ -193,14 +197,8 @@ def test_the_signal_is_asked_again_then_given_up(monkeypatch: pytest.MonkeyPatch
         opt.step()
     finally:
         handle.remove()
-    termination.reset()
-    try:
-        assert termination.decide(frames[0]) == termination.LATER
-        monkeypatch.setattr(termination, "GIVE_UP_S", 0.0)
-        assert termination.decide(frames[0]) == termination.UNWIND
-        assert termination.decide(sys._getframe()) == termination.NOW  # (the test's own stack: nothing of ours)
-    finally:
-        termination.reset()
+    (frame,) = frames
+    return frame
 
 
 def _stack(frame: FrameType | None, stop: FrameType) -> list[FrameType]:

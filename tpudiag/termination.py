@@ -8,16 +8,15 @@ where python's never would.  Now the handler (``runner.run``) stores the run fro
 main thread (an open trace window's profiler is stopped by the thread that started it), and the process then dies
 of the signal's default action (``kill_self``): the script's frames stay where they were.
 
-Storing from inside the script's stack is safe only while the main thread runs the script's code, or torch's: not
-while it runs tpudiag's own (a step hook, a collector's step end, the numerics mode between ops, a lock of
-tpudiag's held), Dynamo compiles (tpudiag's compile callbacks are half done), or an import or ``threading`` holds
-a lock of theirs that the store takes too.  ``decide`` reads the interrupted
-stack: a tpudiag frame that is not a hand-off to the script's code (the module-call wrapper or the compiled-graph
-wrapper, each inside the call it hands on), or a compile in progress, makes it ``LATER``: the handler returns at
-once and the signal is sent to the main thread again ``RETRY_EVERY_S`` later (from a thread that lives for that
-wait), until it lands in the script's code.  After ``GIVE_UP_S`` of that it is ``UNWIND``: the old way (the run
-stored after the stack is unwound) rather than a job that does not die.  A signal that was asked again but never
-came back (the script ended meanwhile) still ends the run as interrupted by SIGTERM (``pending``).
+Storing from inside the script's stack is safe only while the main thread runs the script's code, or torch's.
+``decide`` reads the interrupted stack (``busy``): a tpudiag frame that is not a hand-off to the script's code (the
+module-call wrapper or the compiled-graph wrapper, each inside the call it hands on), a Dynamo compile in progress
+(tpudiag's compile callbacks are half done), an import in progress, or ``threading``'s code while it holds one of
+its module locks (locks the store takes too) make it ``LATER``: the handler returns at once and the signal is sent
+to the main thread again ``RETRY_EVERY_S`` later (from a thread that lives for that wait), until it lands in the
+script's code.  After ``GIVE_UP_S`` of that it is ``UNWIND``: the old way (the run stored after the stack is
+unwound) rather than a job that does not die.  A signal that was asked again but never came back (the script
+ended meanwhile) still ends the run as interrupted by SIGTERM (``pending``).
 
 A store that hangs in the handler (a lock the interrupted code holds after all) cannot keep the job alive: a
 watchdog thread kills the process with SIGTERM's default action ``WATCHDOG_S`` after the signal.
@@ -54,7 +53,6 @@ HAND_OFFS = frozenset(
 RUNNER = "tpudiag/runner.py"  # the runner's frames: the script runs inside them; what lies below is the capture's
 
 _first_at: float | None = None  # when the first SIGTERM of this run came (monotonic)
-_asked_again = 0  # signals re-sent to the main thread, waiting for the script's own code
 _pending = False  # a re-sent signal not yet handled
 _roots: tuple[tuple[str, str], ...] | None = None  # (real folder + os.sep, name it is known by)
 _names: dict[CodeType, str | None] = {}
@@ -90,8 +88,9 @@ def _ours(code: CodeType) -> str | None:
 
 def busy(frame: FrameType | None, boundary: FrameType | None = None) -> bool:
     """Whether the stack from ``frame`` outwards (up to the runner's frames, ``boundary``, or its bottom) is in
-    tpudiag's own code: a tpudiag frame that is not a hand-off waiting on a call to code that is not tpudiag's, or
-    a Dynamo compile in progress (tpudiag's compile callbacks have put torch's module call back meanwhile)."""
+    tpudiag's own code: a tpudiag frame that is not a hand-off waiting on a call to code that is not tpudiag's, a
+    Dynamo compile in progress (tpudiag's compile callbacks have put torch's module call back meanwhile), or code
+    that may hold a lock the store takes too (``_holds_shared_locks``)."""
     module_calls: Any = sys.modules.get("tpudiag.collectors.module_calls")
     if module_calls is not None and module_calls._compiling:
         return True
@@ -145,8 +144,7 @@ def decide(frame: FrameType | None) -> str:
 def ask_again() -> None:
     """The signal to the main thread again in ``RETRY_EVERY_S``, from a thread of its own (``_thread``: no lock of
     ``threading``'s, which the interrupted code may hold)."""
-    global _asked_again, _pending
-    _asked_again += 1
+    global _pending
     _pending = True
     _thread.start_new_thread(_send_later, (threading.main_thread().ident,))
 
@@ -164,10 +162,6 @@ def _send_later(ident: int | None) -> None:
 def pending() -> bool:
     """A SIGTERM was asked again and has not come back (the script ended in between): it still ended the run."""
     return _pending
-
-
-def asked_again() -> int:
-    return _asked_again
 
 
 def finish(store_run: Callable[[], None]) -> NoReturn:
@@ -217,5 +211,5 @@ def _watchdog() -> None:
 
 def reset() -> None:
     """A new run in this process (the Python API, tests): nothing left of a previous run's signal."""
-    global _first_at, _asked_again, _pending
-    _first_at, _asked_again, _pending = None, 0, False
+    global _first_at, _pending
+    _first_at, _pending = None, False

@@ -39,14 +39,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     session = WorkerSession(config, RankIdentity.from_env())
     session.start()
 
-    def store_at_sigterm(outcome: runner.Outcome) -> None:
-        # From the signal handler, the rank's stack left as it was; the worker then dies of the signal, as python
-        # would (torchrun's agent stops the other ranks of a failed job with SIGTERM).
+    def store(outcome: runner.Outcome) -> None:
         session.finish(outcome.status, outcome.exit_code, outcome.error)
 
-    outcome = runner.run(target, on_sigterm=store_at_sigterm)
+    # At SIGTERM ``store`` runs from the signal handler, the rank's stack left as it was, and the worker then dies of
+    # the signal, as python would (torchrun's agent stops the other ranks of a failed job with SIGTERM).
+    outcome = runner.run(target, on_sigterm=store)
     if not forks.in_child():  # (a child the script forked, run on to its end, exits as without tpudiag)
-        session.finish(outcome.status, outcome.exit_code, outcome.error)
+        store(outcome)
     return outcome.exit_code
 
 
