@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tpudiag import internal_errors, runner
-from tpudiag.longrun import analyst, control, heap, manual
+from tpudiag.longrun import analyst, collection, control, heap, manual
 from tpudiag.plugins import CaptureContext
 
 WINDOW_TRIM_S = 0.1  # the least time between two trims at a window's step boundaries (``_boundary``)
@@ -75,6 +75,7 @@ class LongRunMixin:
         self._worker = analyst.Worker(ctx.run_id, ctx.run_dir, ctx.run_dir / "trace")
         pulse = self._pulse
         pulse.plan, pulse.poller, pulse.after = self._plan, self._poller, self._plan_step
+        collection.reset()
         control.activate()
 
     @property
@@ -141,8 +142,10 @@ class LongRunMixin:
             self._plan.open = None
             self._degrade(f"the profiler failed to start ({err})")
 
-    def _close_window(self, kick: bool = True) -> dict[str, Any] | None:
-        """Stop the open window's session, export its trace and leave its job for the analysis process."""
+    def _close_window(self, kick: bool = True, settle: bool = True) -> dict[str, Any] | None:
+        """Stop the open window's session, export its trace and leave its job for the analysis process; with
+        ``kick``, free its results and run the full garbage collection that is due (``longrun/collection.py``): the
+        step that closes a window is counted as part of it."""
         assert self._ctx is not None
         plan = self._plan
         step = self._pulse.step
@@ -187,6 +190,11 @@ class LongRunMixin:
         self._window_jobs[window.window_id] = {k: v for k, v in job.items() if k not in ("sources", "roots")}
         if kick:
             self._release_session()
+            if settle:
+                try:
+                    collection.settle(first=window.reason == "first_steps")
+                except Exception as err:
+                    internal_errors.current().record("trace", "garbage collection", err)
             heap.release()
             self._worker.kick()
         return job
@@ -204,7 +212,7 @@ class LongRunMixin:
     def _pause_window(self) -> None:
         """The script starts a profiler session of its own: the open window ends here (its part is kept)."""
         self._paused = self._plan.open
-        self._close_window()
+        self._close_window(settle=False)  # inside the script's own profiler start: no collection of tpudiag's
 
     def _resume_window(self) -> None:
         """... and the rest of that window opens again as a new window once the script's session is over."""
