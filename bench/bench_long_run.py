@@ -116,8 +116,10 @@ def _results(mode: str, stdout: str, work: Path, n: int, seconds: float) -> dict
                 "ORDER BY own_ns DESC LIMIT 5"
             ).fetchall()
             spent = _capture_seconds(con, seconds, out.get("slow_from"), int(out.get("planted_steps") or 0))
+            quiet = _longest_quiet_outside_windows(con, out.get("slow_from"), out.get("recompile_step"))
         out.update(
             tpudiag_top_outside_windows=[{"step": s, "own_ms": o, "step_ms": d} for s, o, d in top],
+            longest_quiet_outside_windows_s=quiet,
             pulse_steps=pulse.get("steps"),
             tpudiag_max_outside_windows_s=pulse.get("tpudiag_max_outside_windows_s"),
             step_time_p50_s=pulse.get("step_time_p50_s"),
@@ -132,6 +134,21 @@ def _results(mode: str, stdout: str, work: Path, n: int, seconds: float) -> dict
             capture_seconds=spent,
         )
     return out
+
+
+def _longest_quiet_outside_windows(con: Any, slow_from: int | None, recompile_step: int | None) -> float | None:
+    """The capture's longest step period (the gap before the step and the step) outside windows after the loop's
+    first 5 s, the planted slow steps and the recompile left out: what the loop's own ``longest_quiet_s`` is for
+    the plain run, with the windows (which may stall by design) left out too.  A stall of the whole loop shows here
+    whoever's it was: a full garbage collection in tpudiag's thread counts in the gap, not in tpudiag's own time."""
+    planted = (slow_from, slow_from + 30) if slow_from is not None else (-1, -1)
+    compiled = (recompile_step, recompile_step + 1) if recompile_step is not None else (-1, -1)
+    row = con.execute(
+        "SELECT max(dur_ns + coalesce(gap_ns, 0)) FROM pulse WHERE window_id IS NULL "
+        "AND start_ns >= (SELECT min(start_ns) FROM pulse) + 5e9 AND step NOT BETWEEN ? AND ? AND step NOT IN (?, ?)",
+        [*planted, *compiled],
+    ).fetchone()
+    return round(row[0] / 1e9, 4) if row and row[0] is not None else None
 
 
 def _capture_seconds(con: Any, seconds: float, slow_from: int | None, planted: int) -> dict[str, float | int]:
@@ -266,6 +283,12 @@ def main() -> dict[str, object]:
         "rss_slope_second_half_mb_per_min": {m: _slope(rs[-1]["rss_samples"]) for m, rs in results.items()},
         "longest_step_s": {m: round(max(r["longest_step_s"] for r in rs), 4) for m, rs in results.items()},
         "capture_tpudiag_max_outside_windows_s": cap["tpudiag_max_outside_windows_s"],
+        # The longest stall of the loop whoever's it was (after its first 5 s, planted steps and the recompile left
+        # out): plain's from the loop itself, the capture's from its pulse outside windows.
+        "longest_quiet_period_s": {
+            "plain": max(r["longest_quiet_s"] for r in results["plain"]),
+            "capture_outside_windows": max(r["longest_quiet_outside_windows_s"] or 0.0 for r in results["capture"]),
+        },
         "capture_tpudiag_top_outside_windows": cap["tpudiag_top_outside_windows"],
         "capture_pulse_covers_every_step": cap["pulse_steps"] == cap["steps"],
         "capture_windows": cap["windows"],

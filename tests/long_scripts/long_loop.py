@@ -9,7 +9,8 @@
 --fault-at-step: from step N on, aten::tanh is wrong by 3e-3 in float32 (the float64 oracle stays exact); the
 kernel is registered at the start (exact until step N).
 Prints one JSON line at the end: steps done, peak and current RSS (KB) at a third of the run and at the end, current
-RSS once a second, the slowest step, the steps where the planted anomalies began, and the planted slow steps' time.
+RSS once a second, the slowest step, the steps where the planted anomalies began, the planted slow steps' time, and
+the longest loop iteration after the first 5 s that was neither planted nor the recompile (a stall of the loop).
 """
 
 import argparse
@@ -95,6 +96,9 @@ next_sample = 0.0
 recompiled = False
 slow_from = recompile_step = api_triggered = None
 planted_steps, planted_s = 0, 0.0  # the planted slow steps run, and their time (what the plain run pays too)
+# The longest loop iteration (the step and what runs between steps) after the first 5 s, the planted slow steps and
+# the recompile's iteration left out: a stall of the whole loop (a full garbage collection, a thread's GIL).
+longest_quiet, quiet = 0.0, False
 while True:
     now = time.perf_counter() - t0
     if now >= args.seconds:
@@ -103,6 +107,8 @@ while True:
         half_step = step
     if half_step is not None:
         periods.append(now - last_now)
+    if quiet:
+        longest_quiet = max(longest_quiet, now - last_now)
     last_now = now
     if now >= next_sample:
         rss_samples.append([round(now, 2), current_rss_kb()])
@@ -134,6 +140,7 @@ while True:
     static(torch.ones(shape))
     took = time.perf_counter() - s0
     longest = max(longest, took)
+    quiet = now >= 5 and not slow_left and shape[0] != 33
     if slow_left:
         slow_left -= 1
         planted_steps += 1
@@ -153,5 +160,5 @@ result.update(rss_samples=rss_samples, second_half_steps=step - (half_step or 0)
 periods.sort()
 result.update(median_period_ms=round(periods[len(periods) // 2] * 1e3, 4) if periods else None)
 result.update(slow_from=slow_from, recompile_step=recompile_step, api_triggered=api_triggered)
-result.update(planted_steps=planted_steps, planted_s=round(planted_s, 4))
+result.update(planted_steps=planted_steps, planted_s=round(planted_s, 4), longest_quiet_s=round(longest_quiet, 4))
 print(json.dumps(result))
