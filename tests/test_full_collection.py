@@ -91,6 +91,12 @@ def test_settle_runs_first_then_at_most_every_so_often(monkeypatch: pytest.Monke
             assert collection.settle(first=True) is None
         finally:
             gc.enable()
+        threshold = gc.get_threshold()
+        gc.set_threshold(0)  # the other way to turn automatic collection off
+        try:
+            assert collection.settle(first=True) is None
+        finally:
+            gc.set_threshold(*threshold)
         assert counts == [2, 2]
     finally:
         gc.callbacks.remove(watch)

@@ -12,7 +12,8 @@ re-check step of the 10-minute bench), where the plain script never runs one aft
 step that closes a window is counted as part of it).  The first window's close clears the start up's debt; a later
 window's close does it again at most every ``EVERY_S`` seconds, or a thousand times the last one's duration on a
 larger heap, so the trickle never comes due outside a window and settling costs at most ~0.1% of the run.  A script
-that has turned automatic collection off (``gc.disable()``) manages its own collections: never here.  What the
+that has turned automatic collection off (``gc.disable()``, or ``gc.set_threshold(0)``) manages its own
+collections: never here.  What the
 collection frees is what the next automatic one would have freed (a finalizer runs earlier than it would have,
 as it does whenever other allocations move a collection).
 """
@@ -32,7 +33,7 @@ _last_cost_s = 0.0
 def settle(first: bool) -> float | None:
     """A full collection now if it is due (``first``: the first window's close, always); its seconds, or None."""
     global _last_s, _last_cost_s
-    if not gc.isenabled():
+    if not gc.isenabled() or gc.get_threshold()[0] == 0:  # automatic collection off (either of the two ways)
         return None
     now = time.monotonic()
     if not first and _last_s is not None and now - _last_s < max(EVERY_S, COST_FACTOR * _last_cost_s):
