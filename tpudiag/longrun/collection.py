@@ -12,10 +12,9 @@ re-check step of the 10-minute bench), where the plain script never runs one aft
 step that closes a window is counted as part of it).  The first window's close clears the start up's debt; a later
 window's close does it again at most every ``EVERY_S`` seconds, or a thousand times the last one's duration on a
 larger heap, so the trickle never comes due outside a window and settling costs at most ~0.1% of the run.  A script
-that has turned automatic collection off (``gc.disable()``, or ``gc.set_threshold(0)``) manages its own
-collections: never here.  What the
-collection frees is what the next automatic one would have freed (a finalizer runs earlier than it would have,
-as it does whenever other allocations move a collection).
+that has turned automatic collection off (``gc.disable()``, or ``gc.set_threshold(0)``) manages its own collections:
+never here.  What the collection frees is what the next automatic one would have freed (a finalizer runs earlier
+than it would have, as it does whenever other allocations move a collection).
 """
 
 from __future__ import annotations
