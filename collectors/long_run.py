@@ -40,6 +40,7 @@ class LongRunMixin:
     _trace_dir: Path
     _tpu: Any
     _step_ended: bool
+    _settler: collection.Settler
 
     name: str
 
@@ -75,7 +76,7 @@ class LongRunMixin:
         self._worker = analyst.Worker(ctx.run_id, ctx.run_dir, ctx.run_dir / "trace")
         pulse = self._pulse
         pulse.plan, pulse.poller, pulse.after = self._plan, self._poller, self._plan_step
-        collection.reset()
+        self._settler = collection.Settler()
         control.activate()
 
     @property
@@ -192,7 +193,7 @@ class LongRunMixin:
             self._release_session()
             if settle:
                 try:
-                    collection.settle(first=window.reason == "first_steps")
+                    self._settler.settle(first=window.reason == "first_steps")
                 except Exception as err:
                     internal_errors.current().record("trace", "garbage collection", err)
             heap.release()

@@ -68,7 +68,7 @@ def test_a_script_that_turned_collection_off_gets_none_of_tpudiag(tmp_path: Path
 
 
 def test_settle_runs_first_then_at_most_every_so_often(monkeypatch: pytest.MonkeyPatch) -> None:
-    collection.reset()
+    settler = collection.Settler()
     counts: list[int] = []
 
     def watch(phase: str, info: dict[str, int]) -> None:
@@ -77,27 +77,26 @@ def test_settle_runs_first_then_at_most_every_so_often(monkeypatch: pytest.Monke
 
     gc.callbacks.append(watch)
     try:
-        assert collection.settle(first=True) is not None
+        assert settler.settle(first=True) is not None
         assert counts == [2]
-        assert collection.settle(first=False) is None  # within EVERY_S of the last one
+        assert settler.settle(first=False) is None  # within EVERY_S of the last one
         monkeypatch.setattr(collection, "EVERY_S", 0.0)
-        monkeypatch.setattr(collection, "_last_cost_s", 1.0)  # a slow one: a thousand times its duration
-        assert collection.settle(first=False) is None
-        monkeypatch.setattr(collection, "_last_cost_s", 0.0)
-        assert collection.settle(first=False) is not None
+        settler.last_cost_s = 1.0  # a slow one: a thousand times its duration
+        assert settler.settle(first=False) is None
+        settler.last_cost_s = 0.0
+        assert settler.settle(first=False) is not None
         assert counts == [2, 2]
         gc.disable()
         try:
-            assert collection.settle(first=True) is None
+            assert settler.settle(first=True) is None
         finally:
             gc.enable()
         threshold = gc.get_threshold()
         gc.set_threshold(0)  # the other way to turn automatic collection off
         try:
-            assert collection.settle(first=True) is None
+            assert settler.settle(first=True) is None
         finally:
             gc.set_threshold(*threshold)
         assert counts == [2, 2]
     finally:
         gc.callbacks.remove(watch)
-        collection.reset()

@@ -8,7 +8,7 @@ or two into a steady loop, in whichever thread allocated next: the pulse writer'
 the GIL for 0.2 s while the script's thread waited (a 221 ms gap before one step; 196.7 ms of tpudiag's own time in a
 re-check step of the 10-minute bench), where the plain script never runs one after its start up.
 
-``settle`` runs that collection where the script's loop already waits on tpudiag: as a trace window closes (the
+``Settler.settle`` runs that collection where the script's loop already waits on tpudiag: as a trace window closes (the
 step that closes a window is counted as part of it).  The first window's close clears the start up's debt; a later
 window's close does it again at most every ``EVERY_S`` seconds, or a thousand times the last one's duration on a
 larger heap, so the trickle never comes due outside a window and settling costs at most ~0.1% of the run.  A script
@@ -25,26 +25,26 @@ import time
 EVERY_S = 300.0  # the least time between two settles after the first window's
 COST_FACTOR = 1000.0  # ... or this many times the last settle's duration, if longer
 
-_last_s: float | None = None  # monotonic clock of the last settle
-_last_cost_s = 0.0
 
+class Settler:
+    """One capture's settles: when the last one ran and what it cost."""
 
-def settle(first: bool) -> float | None:
-    """A full collection now if it is due (``first``: the first window's close, always); its seconds, or None."""
-    global _last_s, _last_cost_s
-    if not gc.isenabled() or gc.get_threshold()[0] == 0:  # automatic collection off (either of the two ways)
-        return None
-    now = time.monotonic()
-    if not first and _last_s is not None and now - _last_s < max(EVERY_S, COST_FACTOR * _last_cost_s):
-        return None
-    t0 = time.perf_counter()
-    gc.collect()
-    _last_cost_s = time.perf_counter() - t0
-    _last_s = time.monotonic()
-    return _last_cost_s
+    def __init__(self) -> None:
+        self.last_s: float | None = None  # monotonic clock of the last settle
+        self.last_cost_s = 0.0
 
-
-def reset() -> None:
-    """Forget the last settle (a new capture in this process)."""
-    global _last_s, _last_cost_s
-    _last_s, _last_cost_s = None, 0.0
+    def settle(self, first: bool) -> float | None:
+        """A full collection now if it is due (``first``: the first window's close, always); its seconds, or None."""
+        if not gc.isenabled() or gc.get_threshold()[0] == 0:  # automatic collection off (either of the two ways)
+            return None
+        if (
+            not first
+            and self.last_s is not None
+            and time.monotonic() - self.last_s < max(EVERY_S, COST_FACTOR * self.last_cost_s)
+        ):
+            return None
+        t0 = time.perf_counter()
+        gc.collect()
+        self.last_cost_s = time.perf_counter() - t0
+        self.last_s = time.monotonic()
+        return self.last_cost_s
