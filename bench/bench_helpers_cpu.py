@@ -19,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.bench_long_run import _command, _pinned, _script
+from bench.bench_long_run import _command, _pinned
+from bench.common import last_json_line
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -84,7 +85,7 @@ def main() -> dict[str, object]:
         wall = time.monotonic() - started
         for proc in procs:
             proc.wait()
-        runs = {m: _script((work / f"{m}.out").read_text()) for m in ("capture", "plain")}
+        runs = {m: last_json_line((work / f"{m}.out").read_text()) for m in ("capture", "plain")}
     cpu: dict[str, float] = {}
     for part, seconds_cpu in seen.values():
         cpu[part] = cpu.get(part, 0.0) + seconds_cpu

@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.common import last_json_line
 from tpudiag import deferred_store
 from tpudiag.store import Store, pending
 
@@ -40,12 +41,6 @@ LOOP = REPO / "tests" / "long_scripts" / "long_loop.py"
 THROUGHPUT_TARGET = 0.97
 RSS_TARGET_MB = 300
 STALL_TARGET_S = 0.05
-
-
-def _script(stdout: str) -> dict[str, Any]:
-    line = next(line for line in reversed(stdout.splitlines()) if line.startswith("{"))
-    data: dict[str, Any] = json.loads(line)
-    return data
 
 
 def _command(mode: str, work: Path, seconds: float, n: int) -> list[str]:
@@ -94,7 +89,7 @@ def _pair(text: str) -> tuple[str, str]:
 
 def _results(mode: str, stdout: str, work: Path, n: int, seconds: float) -> dict[str, Any]:
     db = work / f"b{n}.duckdb"
-    out: dict[str, Any] = _script(stdout)
+    out = last_json_line(stdout)
     if mode == "profiler":
         out["disk_mb"] = round(sum(p.stat().st_size for p in (work / f"prof{n}").iterdir()) / 2**20, 1)
     if mode == "capture":

@@ -29,7 +29,6 @@ in it.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import statistics
 import subprocess
@@ -39,6 +38,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.common import last_json_line
 
 REPO = Path(__file__).resolve().parents[1]
 LOOP = REPO / "bench" / "workloads" / "steady_loop.py"
@@ -111,7 +112,7 @@ def _pair(mode: str, work: Path, n: int, warm_s: float, seconds: float, cores: l
         text = out.read_text()
         if code != 0:
             raise RuntimeError(f"steady_minute: {out.name} exited {code}: {text[-500:]}")
-        results.append(json.loads(next(ln for ln in reversed(text.splitlines()) if ln.startswith("{"))))
+        results.append(last_json_line(text))
     plain, other = results
     return {
         "steps_ratio": other["steps"] / plain["steps"],
@@ -120,11 +121,10 @@ def _pair(mode: str, work: Path, n: int, warm_s: float, seconds: float, cores: l
         "phase_delta_us": {
             k: round(other["phase_median_us"][k] - plain["phase_median_us"][k], 1) for k in plain["phase_median_us"]
         },
-        "steps": {"plain": plain["steps"], "measured": other["steps"]},
     }
 
 
-def _summary(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = [r["steps_ratio"] for r in runs]
     sem = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None
     phases = runs[0]["phase_delta_us"].keys()
@@ -167,6 +167,6 @@ def main() -> dict[str, object]:
         "seconds_counted": seconds,
         "warm_up_s": warm_s,
         "runs_per_mode": runs_per_mode,
-        "layout": "side_by_side, every task of both trees swapped between two cores every 2 s",
-        "modes": {m: _summary(m, rs) for m, rs in runs.items()},
+        "layout": f"side_by_side, every task of both trees swapped between two cores every {SWAP_S:g} s",
+        "modes": {m: _summary(rs) for m, rs in runs.items()},
     }

@@ -43,20 +43,13 @@ TARGET_PCT = 1.0
 
 def _round(db: Path, collect: str | None = None, serving: bool = False) -> dict[str, float]:
     import torch
-    from torch import nn
     from torch.optim import optimizer as optimizer_module
 
     import tpudiag
+    from bench.workloads.long_step import build
     from tpudiag.collectors import module_calls
 
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(7):
-        layers += [nn.Linear(128, 128), nn.Tanh()]
-    model = nn.Sequential(*layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(32, 128)
-    static = torch.compile(lambda t: t * 2 + 1, backend="eager", dynamic=False)
+    model, opt, x, static = build()
     ones = torch.ones(32, 4)
 
     def step() -> None:

@@ -31,6 +31,12 @@ def write_result(name: str, data: dict[str, Any]) -> Path:
     return path
 
 
+def last_json_line(stdout: str) -> dict[str, Any]:
+    """The last line of a workload's output that is a JSON object (its result; earlier lines are its chatter)."""
+    data: dict[str, Any] = json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
+    return data
+
+
 def timed_runs(fn: Callable[[], Any], repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):

@@ -15,20 +15,13 @@ import statistics
 import time
 
 import torch
-from torch import nn
+from long_step import build  # (this folder: the script's sys.path[0])
 
 
 def main() -> None:
     t0, t1 = float(os.environ["BENCH_T0"]), float(os.environ["BENCH_T1"])
-    torch.manual_seed(0)
     torch.set_num_threads(1)
-    layers: list[nn.Module] = []
-    for _ in range(7):
-        layers += [nn.Linear(128, 128), nn.Tanh()]
-    model = nn.Sequential(*layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(32, 128)
-    static = torch.compile(lambda t: t * 2 + 1, backend="eager", dynamic=False)
+    model, opt, x, static = build()
     clock = time.perf_counter
     periods: list[float] = []
     phases: list[tuple[float, float, float, float]] = []
