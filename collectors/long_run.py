@@ -309,3 +309,10 @@ class LongRunMixin:
         pulse = self._pulse
         if pulse.nonfinite_steps:
             self._ctx.note(f"pulse: {pulse.nonfinite_steps} step(s) had a non-finite gradient")
+        stalls = pulse.stall_clock
+        if stalls.stalls:
+            self._ctx.note(
+                f"pulse: {stalls.stalls} slow step(s) were the machine's, not the script's (their thread was kept off "
+                f"its CPU {stalls.stalled_ns / 1e6:.0f} ms in all: another task on its core, or the VM's CPU taken): "
+                "no slow_step window opened for them"
+            )

@@ -44,6 +44,7 @@ from tpudiag import internal_errors
 from tpudiag.collectors.root_steps import RootSteps
 from tpudiag.longrun import control, probes
 from tpudiag.longrun.manual import POLL_S
+from tpudiag.longrun.stalls import StallClock
 from tpudiag.longrun.stride import Stride
 from tpudiag.longrun.triggers import MEDIAN_EVERY, SlowSteps
 from tpudiag.plugins import CaptureContext
@@ -136,6 +137,7 @@ class PulseRecorder:
         self.slow = SlowSteps(factor=float(factor)) if factor else SlowSteps()
         self._recent_append = self.slow.recent.append
         self._slow_ns: float = math.inf  # a judged period above this may be slow (``SlowSteps.threshold_s``)
+        self.stall_clock = StallClock()  # whether a slow step was the machine's (tpudiag/longrun/stalls.py)
         self.window_id: int | None = None  # set by the window planner while a window is open
         self.slow_ratio: float | None = None  # the step that just ended fired slow_step: its multiple of the median
         self.nonfinite_steps = 0
@@ -213,7 +215,7 @@ class PulseRecorder:
         if self.window_id is None and not checker_ns:
             period = end - (prev if prev is not None else start if start is not None else end) - background_ns
             if period > self._slow_ns:
-                fired = self._slow_step(step, period, fired)
+                fired = self._slow_step(step, period, end, fired)
             else:
                 self._recent_append(period * 1e-9)
         self._batch.append(
@@ -335,9 +337,15 @@ class PulseRecorder:
         return out
 
     def _slow_step(
-        self, step: int, period: int, fired: list[tuple[str, str]] | tuple[()]
+        self, step: int, period: int, end: int, fired: list[tuple[str, str]] | tuple[()]
     ) -> list[tuple[str, str]] | tuple[()]:
-        """A period over the precomputed threshold: ``SlowSteps.fires`` decides (the median, the repeats)."""
+        """A period over the precomputed threshold: not the script's when the machine held its thread off the CPU
+        for the excess (``StallClock``: neither judged nor learnt by the median); else ``SlowSteps.fires`` decides
+        (the median, the repeats)."""
+        held = self.stall_clock.held_ns(end)
+        if held and period - held <= self._slow_ns:
+            self.stall_clock.found(held)
+            return fired
         if not self.slow.fires(period / 1e9, step) or fired:
             return fired
         median = self.slow.median_s
@@ -360,6 +368,7 @@ class PulseRecorder:
             self._next_check_ns = end + self._check_every_ns
             self._check_step = step
             self._start_check(optimizer)
+            self.stall_clock.mark(end)
         if step >= self._due_step:
             self._due_step = step + (1 if first else MEDIAN_EVERY)
             threshold = self.slow.refresh()

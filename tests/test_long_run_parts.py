@@ -834,3 +834,71 @@ def test_the_root_probes_inline_signature_finds_what_input_signature_recorded() 
     for x in (torch.ones(32, 128), torch.ones(3, dtype=torch.int64), torch.tensor(1.0)):
         assert ((x.shape, x.dtype),) in {input_signature((x,), {})}
     assert ((torch.ones(4).shape, torch.float32),) not in {input_signature((torch.ones(5),), {})}
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/schedstat").exists(), reason="Linux run-queue counts")
+def test_a_step_held_off_its_cpu_by_another_task_opens_no_window_the_scripts_own_slowness_does(
+    tmp_path: Path,
+) -> None:
+    """Other processes spinning on the step thread's core keep it waiting in the run queue: its steps are slow
+    (repeats, so a window would open) but not the script's, and ``StallClock`` finds the wait.  The same steps slow
+    for the script's own reason (blocked in a sleep, as on I/O) still open a window.  Real scheduling, no mock: the
+    thread and the spinners share one core."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from tpudiag.collectors.pulse import PulseRecorder
+    from tpudiag.plugins import CaptureContext
+    from tpudiag.spool import Spool
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    core = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    spin = "import sys, time\nwhile time.time() < float(sys.argv[1]): time.sleep(0.005)\nwhile True: pass"
+
+    def run(held: bool) -> tuple[list[int], int]:
+        fired: list[int] = []
+        pulse = PulseRecorder(CaptureContext(run_id="r", run_dir=tmp_path, spool=Spool(tmp_path / f"s{held}")))
+        # Four spinners (each step waits several of their slices), started now and spinning from ``t_end`` on: no
+        # process start inside a step.  Marks every 0.5 s teach the ordinary rate before.
+        t_end = time.perf_counter() + 1.5
+        spin_at = repr(time.time() + 1.5)
+        spinners = [
+            subprocess.Popen([sys.executable, "-c", spin, spin_at], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+            for _ in range(4 if held else 0)
+        ]
+        step = 0
+        while True:
+            slow_block = step >= triggers.WARMUP_STEPS and time.perf_counter() >= t_end
+            pulse.step_begin((torch.ones(1),), {})
+            for _ in range(20):
+                model(torch.randn(32, 64)).sum().backward()
+            if slow_block and not held:
+                time.sleep(0.05)
+            pulse.step_end(opt)
+            if slow_block and pulse.slow_ratio is not None:
+                fired.append(step)
+            step += 1
+            if slow_block and time.perf_counter() >= t_end + 1.5:
+                break
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+        pulse.stop()
+        return fired, pulse.stall_clock.stalls
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (intra-op threads spinning on the one core would hold the step thread themselves)
+    os.sched_setaffinity(0, {core})
+    try:
+        held_fired, held_stalls = run(held=True)
+        own_fired, own_stalls = run(held=False)
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)
+    assert held_stalls > 0 and held_fired == [], (held_stalls, held_fired)
+    assert own_fired != [] and own_stalls == 0, (own_fired, own_stalls)
