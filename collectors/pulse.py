@@ -567,6 +567,7 @@ class PulseRecorder:
                 if nonfinite:
                     self.nonfinite_steps += 1
         self._hand_off(final=True)
+        self.stall_clock.close()
         self._stopping = True
         self._wake.set()
         with contextlib.suppress(Exception):

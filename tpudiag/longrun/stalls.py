@@ -24,6 +24,7 @@ judged as before.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -64,6 +65,7 @@ class StallClock:
     def __init__(self) -> None:
         self._counts: list[_Count] = []
         self._steal: _Count | None = None
+        self._fds: list[int] = []
         self._opened = False
         self.stalls = 0  # slow steps found held (``found``)
         self.stalled_ns = 0
@@ -72,12 +74,14 @@ class StallClock:
         self._opened = True
         try:
             fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            self._fds.append(fd)
             int(os.pread(fd, 128, 0).split()[1])
             self._counts.append(_Count(lambda: float(os.pread(fd, 128, 0).split()[1])))
         except (OSError, ValueError, IndexError):
             pass
         try:
             stat = os.open("/proc/stat", os.O_RDONLY)
+            self._fds.append(stat)
             share = 1e9 / _clock_ticks() / max(os.cpu_count() or 1, 1)
 
             def steal() -> float:
@@ -111,6 +115,14 @@ class StallClock:
         except (OSError, ValueError, IndexError):
             self._counts, self._steal = [], None
             return 0
+
+    def close(self) -> None:
+        """The files closed (the capture's end): no stall is found from now on."""
+        self._counts, self._steal, self._opened = [], None, True
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def found(self, held_ns: int) -> None:
         """A slow step was the machine's: counted, and its interval kept from teaching the rates."""
