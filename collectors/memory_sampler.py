@@ -23,31 +23,24 @@ import sys
 import time
 from typing import Any
 
+from tpudiag.proc_field import ProcField
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 LIBTPU_EVERY_S = 1.0  # libtpu's metrics are read at most this often (their cost is not known on every chip)
 
 
 class _Statm:
-    """``/proc/self/statm`` kept open: one ``pread`` per sample (open + read + close cost ~3x that)."""
+    """``/proc/self/statm``'s resident pages, kept open (``tpudiag.proc_field``), in bytes."""
 
     def __init__(self) -> None:
-        try:
-            self._fd: int | None = os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            self._fd = None
+        self._pages = ProcField("/proc/self/statm", 1)
 
     def rss_bytes(self) -> int | None:
-        if self._fd is None:
-            return None
-        try:
-            return int(os.pread(self._fd, 128, 0).split()[1]) * _PAGE
-        except (OSError, ValueError, IndexError):
-            return None
+        pages = self._pages.read()
+        return None if pages is None else pages * _PAGE
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._pages.close()
 
 
 def _rlimit_as() -> int | None:

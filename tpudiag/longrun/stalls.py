@@ -24,28 +24,38 @@ judged as before.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable
+
+from tpudiag.proc_field import ProcField
 
 STEAL_EVERY_S = 2.0
 RATE_WEIGHT = 0.3  # the weight of the newest interval in a count's ordinary rate
 
 
+class _Unreadable(Exception):
+    """A count's file stopped reading as expected: the clock stops (``StallClock.close``)."""
+
+
 class _Count:
     """One cumulative count (ns): its value at the last mark and its ordinary rate (ns a ns) between marks."""
 
-    __slots__ = ("at", "rate", "read", "spoiled", "value")
+    __slots__ = ("at", "field", "rate", "scale", "spoiled", "value")
 
-    def __init__(self, read: Callable[[], float]) -> None:
-        self.read = read
+    def __init__(self, field: ProcField, scale: float) -> None:
+        self.field, self.scale = field, scale  # ``scale``: ns per unit of the field
         self.at = 0  # perf_counter_ns of the last mark (0: none yet)
-        self.value = 0.0
+        self.value = self.read()
         self.rate: float | None = None
         self.spoiled = False  # a stall was found since the last mark: that interval does not teach the rate
 
+    def read(self) -> float:
+        value = self.field.read()
+        if value is None:
+            raise _Unreadable
+        return value * self.scale
+
     def mark(self, now_ns: int) -> None:
-        value = self.read()  # (an OSError goes to ``StallClock``, which stops reading)
+        value = self.read()
         if self.at and not self.spoiled and now_ns > self.at:
             rate = min(max((value - self.value) / (now_ns - self.at), 0.0), 1.0)
             self.rate = rate if self.rate is None else (1 - RATE_WEIGHT) * self.rate + RATE_WEIGHT * rate
@@ -65,34 +75,25 @@ class StallClock:
     def __init__(self) -> None:
         self._counts: list[_Count] = []
         self._steal: _Count | None = None
-        self._fds: list[int] = []
         self._opened = False
         self.stalls = 0  # slow steps found held (``found``)
         self.stalled_ns = 0
 
     def _open(self) -> None:
         self._opened = True
-        try:
-            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-            self._fds.append(fd)
-            int(os.pread(fd, 128, 0).split()[1])
-            self._counts.append(_Count(lambda: float(os.pread(fd, 128, 0).split()[1])))
-        except (OSError, ValueError, IndexError):
-            pass
-        try:
-            stat = os.open("/proc/stat", os.O_RDONLY)
-            self._fds.append(stat)
-            share = 1e9 / _clock_ticks() / max(os.cpu_count() or 1, 1)
-
-            def steal() -> float:
-                line = os.pread(stat, 512, 0).split(b"\n", 1)[0].split()
-                return int(line[8]) * share if len(line) > 8 and line[0] == b"cpu" else 0.0
-
-            steal()
-            self._steal = _Count(steal)
-            self._counts.append(self._steal)
-        except (OSError, ValueError, IndexError):
-            pass
+        # /proc/stat's first line is "cpu user nice system idle iowait irq softirq steal ...": field 8 is the steal
+        # of all CPUs together, in clock ticks; as one CPU's share, in ns.
+        share = 1e9 / _clock_ticks() / max(os.cpu_count() or 1, 1)
+        for path, index, scale in (("/proc/thread-self/schedstat", 1, 1.0), ("/proc/stat", 8, share)):
+            field = ProcField(path, index, size=512)
+            try:
+                count = _Count(field, scale)
+            except _Unreadable:
+                field.close()
+                continue
+            self._counts.append(count)
+            if index == 8:
+                self._steal = count
 
     def mark(self, now_ns: int) -> None:
         """A reading at a step's end (``now_ns``: ``perf_counter_ns``): the base of the next ``held_ns``; the
@@ -104,25 +105,23 @@ class StallClock:
             for count in self._counts:
                 if count is not self._steal or (now_ns - count.at) * 1e-9 >= STEAL_EVERY_S:
                     count.mark(now_ns)
-        except (OSError, ValueError, IndexError):
-            self._counts, self._steal = [], None  # (a file that stopped reading: no stall is found from now on)
+        except _Unreadable:
+            self.close()
 
     def held_ns(self, now_ns: int) -> int:
         """Of the step that ended at ``now_ns``, the ns the machine held its thread off the CPU beyond the ordinary
         since the last mark (0 before two marks have taught the rates, or where nothing can be read)."""
         try:
             return max(int(sum(count.beyond(now_ns) for count in self._counts)), 0)
-        except (OSError, ValueError, IndexError):
-            self._counts, self._steal = [], None
+        except _Unreadable:
+            self.close()
             return 0
 
     def close(self) -> None:
-        """The files closed (the capture's end): no stall is found from now on."""
-        self._counts, self._steal, self._opened = [], None, True
-        fds, self._fds = self._fds, []
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """The files closed (the capture's end, or one stopped reading): no stall is found from now on."""
+        counts, self._counts, self._steal, self._opened = self._counts, [], None, True
+        for count in counts:
+            count.field.close()
 
     def found(self, held_ns: int) -> None:
         """A slow step was the machine's: counted, and its interval kept from teaching the rates."""
