@@ -84,7 +84,10 @@ class StallClock:
         # /proc/stat's first line is "cpu user nice system idle iowait irq softirq steal ...": field 8 is the steal
         # of all CPUs together, in clock ticks; as one CPU's share, in ns.
         share = 1e9 / _clock_ticks() / max(os.cpu_count() or 1, 1)
-        for path, index, scale in (("/proc/thread-self/schedstat", 1, 1.0), ("/proc/stat", 8, share)):
+        for path, index, scale, steal in (
+            ("/proc/thread-self/schedstat", 1, 1.0, False),
+            ("/proc/stat", 8, share, True),
+        ):
             field = ProcField(path, index, size=512)
             try:
                 count = _Count(field, scale)
@@ -92,7 +95,7 @@ class StallClock:
                 field.close()
                 continue
             self._counts.append(count)
-            if index == 8:
+            if steal:
                 self._steal = count
 
     def mark(self, now_ns: int) -> None:
