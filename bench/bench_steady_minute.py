@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import last_json_line
+from tpudiag import deferred_store
+from tpudiag.store import Store, pending
 
 REPO = Path(__file__).resolve().parents[1]
 LOOP = REPO / "bench" / "workloads" / "steady_loop.py"
@@ -107,6 +109,10 @@ def _pair(mode: str, work: Path, n: int, warm_s: float, seconds: float, cores: l
     codes = [p.wait() for p in procs]
     stop.set()
     swapper.join()
+    for i, side in enumerate(sides):
+        db = work / f"run{n}-{i}.duckdb"
+        if MODES[side] is not None:  # the detached store write, before the next pair's warm-up
+            pending.settle(Store(db), deferred_store.finish)
     results = []
     for out, code in zip(outs, codes, strict=True):
         text = out.read_text()
