@@ -7,7 +7,8 @@ The trace collector stops a window's profiler session at a step boundary, export
 (trace_events, steps, and the window's own row), then removes the job. Parts named after the window make the work
 idempotent: whatever runs a job a second time (the capture's deferred ``finish`` after the worker died, or both at
 once) rewrites the same parts instead of adding copies. The worker leaves when the job folder holds a ``STOP`` file
-and no job, or when the capture's process is gone.
+and no job, or when the capture's process is gone. Between jobs it sleeps on its line to the capture
+(``tpudiag.wake_line``), which pokes it at each job and at the stop: no polling while a long run has no window.
 
 Disk (``--max-disk``): the windows' trace files are counted as they are exported.  Over the cap, the oldest
 scheduled window's file is deleted (its analysed rows stay, marked ``pruned``); anomaly windows are kept; when
@@ -29,6 +30,7 @@ from typing import Any
 from tpudiag import no_pandas
 from tpudiag.atomic_file import atomic_file
 from tpudiag.processes import BACKGROUND_GROUP, lower_priority, make_background, pid_alive
+from tpudiag.wake_line import Line, ParentLine
 
 JOBS = "jobs"
 STOP = "STOP"
@@ -36,7 +38,8 @@ LOG = "analyst.log"
 EVENT_ID_STRIDE = 100_000_000  # window k's events are numbered from k * stride: ids unique without a counter
 DEFAULT_MAX_DISK = 2 << 30
 NICE = 10
-_POLL_S = 0.25
+IDLE_CHECK_S = 5.0  # an idle worker looks at its files this often without a poke (the capture pokes it: wake_line)
+_FALLBACK_POLL_S = 0.25  # ... and this often where it has no line
 
 
 def first_event_id(window_id: int) -> int:
@@ -160,12 +163,21 @@ class Worker:
     def __init__(self, run_id: str, run_dir: Path, trace_dir: Path) -> None:
         self.run_id, self.run_dir, self.trace_dir = run_id, run_dir, trace_dir
         self.proc: subprocess.Popen[bytes] | None = None
+        self.line: Line | None = None
         self.failed: str | None = None
 
     def kick(self) -> None:
-        if (self.proc is not None and self.proc.poll() is None) or self.failed:
+        """A job is waiting: start the worker, or wake it."""
+        if self.proc is not None and self.proc.poll() is None:
+            if self.line is not None:
+                self.line.poke()
             return
+        if self.failed:
+            return
+        if self.line is not None:
+            self.line.close()
         try:
+            self.line = Line()
             with open(self.trace_dir / LOG, "ab") as log:
                 self.proc = subprocess.Popen(
                     [
@@ -177,15 +189,18 @@ class Worker:
                         str(self.trace_dir),
                         str(os.getpid()),
                     ],
-                    stdin=subprocess.DEVNULL,
+                    stdin=self.line.read_fd,  # its wake-up line (tpudiag.wake_line)
                     stdout=log,
                     stderr=log,
                     process_group=BACKGROUND_GROUP,  # no Ctrl-C; the script's scheduling group (tpudiag.processes)
                     cwd=self.trace_dir,  # not the user's folder: a module of theirs cannot shadow one tpudiag imports
                 )
             make_background(self.proc.pid)
+            self.line.started()
         except OSError as err:
             self.failed = str(err)
+            if self.line is not None:
+                self.line.close()
 
     def stop(self, wait_s: float) -> None:
         """Ask the worker to leave once its queue is empty; wait up to ``wait_s`` (what is left is run later)."""
@@ -194,12 +209,16 @@ class Worker:
             (self.trace_dir / JOBS / STOP).touch()
         if self.proc is None:
             return
+        if self.line is not None:
+            self.line.poke()
         try:
             self.proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             self.proc.terminate()  # the one it started; its unfinished job stays for the deferred finish
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5)
+        if self.line is not None:
+            self.line.close()
 
 
 @dataclass
@@ -269,7 +288,8 @@ def main(argv: list[str]) -> int:
     no_pandas.skip()  # (pyarrow's first array would import it: ~0.5 s of CPU and ~45 MB of RSS for nothing)
     run_dir, run_id, trace_dir, parent = Path(argv[0]), argv[1], Path(argv[2]), int(argv[3])
     spool = Spool(run_dir / "spool")
-    stop = os.fspath(trace_dir / JOBS / STOP)  # (polled as a plain string: see ``pending_jobs``)
+    stop = os.fspath(trace_dir / JOBS / STOP)  # (looked for as a plain string: see ``pending_jobs``)
+    line = ParentLine()
     while True:
         jobs = pending_jobs(trace_dir)
         for job in jobs:
@@ -281,7 +301,7 @@ def main(argv: list[str]) -> int:
         if not jobs:
             if os.path.exists(stop) or not pid_alive(parent):
                 return 0
-            time.sleep(_POLL_S)
+            line.wait(IDLE_CHECK_S if line.open else _FALLBACK_POLL_S)  # a poke: a job, or the STOP file
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ did, put DuckDB and its buffers into that process: +160 MB of RSS from the first
   loads the parts that are finished (``Store.ingest_spool``: each part at most once, deleted after the commit);
 - it leaves when ``<run dir>/feeder.stop`` appears (the parent waits for it before its own final store write: one
   writer at a time, and loads whatever is left itself, as before), or after one last load when the parent is gone
-  (killed: what it had flushed is kept).
+  (killed: what it had flushed is kept).  It sleeps on its line to the capture (``tpudiag.wake_line``): the stop
+  wakes it at once, a dead parent too, a reader's request within a second.
 
 Where no child can start, the caller loads the spool in its own process (``SpoolFeeder.start`` returns False).
 """
@@ -34,17 +35,24 @@ from tpudiag.model import Run
 from tpudiag.processes import BACKGROUND_GROUP, lower_priority, make_background, pid_alive
 from tpudiag.store import live_loads
 from tpudiag.store.database import Store
+from tpudiag.wake_line import Line, ParentLine
 
 RUN_FILE = "feeder.json"
 STOP_FILE = "feeder.stop"
 LOG_FILE = "feeder.log"
 NICE = 10
+# Between loads the feeder sleeps on its line to the capture (``tpudiag.wake_line``: poked at the stop, closed when
+# the capture dies), waking this often to look for a reader's request (``live_loads``: a reader waits up to 2 s)
+# and its parent's pid: once a second, not the five polls a second it made before.
+WANT_CHECK_S = 1.0
+_FALLBACK_POLL_S = 0.2  # ... and this often where it has no line
 
 
 class SpoolFeeder:
     def __init__(self, db: Path, run: Run, run_dir: Path, spool_dir: Path, interval_s: float) -> None:
         self.db, self.run, self.run_dir, self.spool_dir, self.interval_s = db, run, run_dir, spool_dir, interval_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self.line: Line | None = None
         self.failed: str | None = None
 
     def start(self) -> bool:
@@ -56,17 +64,21 @@ class SpoolFeeder:
         try:
             (self.run_dir / STOP_FILE).unlink(missing_ok=True)
             (self.run_dir / RUN_FILE).write_text(json.dumps(dataclasses.asdict(self.run)))
+            self.line = Line()
             with open(self.run_dir / LOG_FILE, "ab") as log:
                 self.proc = subprocess.Popen(
                     [
                         sys.executable, "-m", "tpudiag.store.feeder", str(self.db), str(self.run_dir),
                         str(self.spool_dir), str(os.getpid()), str(self.interval_s),
                     ],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, process_group=BACKGROUND_GROUP,
+                    stdin=self.line.read_fd, stdout=log, stderr=log, process_group=BACKGROUND_GROUP,
                 )  # fmt: skip
             make_background(self.proc.pid)
+            self.line.started()
         except OSError as err:
             self.failed = str(err)
+            if self.line is not None:
+                self.line.close()
             return False
         live_loads.start(Store(self.db).runs_dir, self.run.id)
         return True
@@ -78,11 +90,15 @@ class SpoolFeeder:
             return
         with contextlib.suppress(OSError):
             (self.run_dir / STOP_FILE).touch()
+        if self.line is not None:
+            self.line.poke()
         try:
             proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if self.line is not None:
+            self.line.close()
         for name in (STOP_FILE, RUN_FILE):
             with contextlib.suppress(OSError):
                 (self.run_dir / name).unlink()
@@ -112,9 +128,10 @@ def main(argv: list[str]) -> int:
     store = Store(db)
     registered = False
     started = next_load = time.monotonic()
-    # Five polls a second for a whole run, on a core the script may need: plain strings and syscalls (a poll with
+    # A look a second for a whole run, on a core the script may need: plain strings and syscalls (a look with
     # pathlib's objects cost ~30 us of CPU, ~6x this).
     stop, want, exists = os.fspath(run_dir / STOP_FILE), live_loads.want_path(store.runs_dir, run.id), os.path.exists
+    line = ParentLine()
     while not exists(stop):
         if not _parent_alive(parent):
             # The capture died (killed?): what its collectors had flushed is loaded once more, nobody else will.
@@ -126,7 +143,10 @@ def main(argv: list[str]) -> int:
             live_loads.mark_loaded(store.runs_dir, run.id)
             now = time.monotonic()
             next_load = now + unwatched_interval(interval, now - started)  # longer as the run gets older
-        time.sleep(0.2)
+        if line.open:
+            line.wait(max(0.0, min(WANT_CHECK_S, next_load - time.monotonic())))  # a poke: the stop
+        else:
+            time.sleep(_FALLBACK_POLL_S)
     return 0
 
 

@@ -11,8 +11,8 @@ folder to list, however many runs the store holds):
   after the feeder left);
 - ``<run id>.want``: a reader's request, made when the feeder has not loaded in the last ``FRESH_S`` seconds
   (``<run id>.loaded``'s time); the reader waits until the feeder has removed it, up to ``WAIT_S``;
-- ``<run id>.loaded``: touched by the feeder after each load, which also removes the request (it looks for one at
-  each of its polls, every 0.2 s).
+- ``<run id>.loaded``: touched by the feeder after each load, which also removes the request (it looks for one
+  every second, ``feeder.WANT_CHECK_S``).
 
 A request nobody serves (the feeder is gone, or starved of CPU) costs a reader ``WAIT_S`` once: a request older than
 that is taken as unserved, and later readers do not wait for it.
