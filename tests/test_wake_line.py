@@ -78,6 +78,7 @@ def test_a_poke_wakes_the_child_at_once() -> None:
 def test_the_capture_dying_wakes_the_child_at_once() -> None:
     proc = _holder("die")
     seconds, still_open = _woke(proc)
+    proc.wait(timeout=30)
     assert seconds < 5.0
     assert not still_open  # end-of-file: the child looks at its parent's pid and leaves
 
@@ -86,8 +87,9 @@ def test_a_fork_of_the_script_does_not_keep_the_line_open() -> None:
     proc = _holder("fork")
     seconds, still_open = _woke(proc)
     assert seconds < 5.0  # without the at-fork close the forked child held the write end for 30 s
+    os.killpg(proc.pid, signal.SIGKILL)  # the forked child
+    proc.wait(timeout=30)
     assert not still_open
-    os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_a_child_without_a_line_sleeps_its_timeout() -> None:
