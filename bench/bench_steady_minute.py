@@ -98,10 +98,11 @@ def _pair(mode: str, work: Path, n: int, warm_s: float, seconds: float, cores: l
     env = {**os.environ, "BENCH_T0": repr(t0), "BENCH_T1": repr(t0 + seconds)}
     sides = ("plain", mode)
     outs = [work / f"out{n}-{i}.txt" for i in range(2)]  # (``plain`` beside ``plain``: two files)
+    dbs = [work / f"run{n}-{i}.duckdb" for i in range(2)]
     procs: list[subprocess.Popen[str]] = []
-    for i, (side, out) in enumerate(zip(sides, outs, strict=True)):
+    for side, out, db in zip(sides, outs, dbs, strict=True):
         with open(out, "w") as fh:
-            cmd = _command(side, work / f"run{n}-{i}.duckdb")
+            cmd = _command(side, db)
             procs.append(subprocess.Popen(cmd, cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True))
     stop = threading.Event()
     swapper = threading.Thread(target=_swap, args=(procs, cores, stop), daemon=True)
@@ -109,8 +110,7 @@ def _pair(mode: str, work: Path, n: int, warm_s: float, seconds: float, cores: l
     codes = [p.wait() for p in procs]
     stop.set()
     swapper.join()
-    for i, side in enumerate(sides):
-        db = work / f"run{n}-{i}.duckdb"
+    for side, db in zip(sides, dbs, strict=True):
         if MODES[side] is not None:  # the detached store write, before the next pair's warm-up
             pending.settle(Store(db), deferred_store.finish)
     results = []

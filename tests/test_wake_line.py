@@ -21,7 +21,7 @@ WAITER = textwrap.dedent(
     line = ParentLine()
     print("ready", line.open, flush=True)
     t = time.monotonic()
-    line.wait(float(sys.argv[1]))
+    line.wait(float(sys.argv[1]), float(sys.argv[1]))
     print("woke", round(time.monotonic() - t, 2), line.open, flush=True)
     """
 )
@@ -29,11 +29,9 @@ WAITER = textwrap.dedent(
 # The capture's side: a line, the waiter on it, then (argv) poke it, or fork a child that outlives us and die.
 HOLDER = textwrap.dedent(
     """
-    import os, subprocess, sys, time
-    from tpudiag.wake_line import Line
-    line = Line()
-    waiter = subprocess.Popen([sys.executable, "-c", sys.argv[1], "60"], stdin=line.read_fd, stdout=sys.stdout)
-    line.started()
+    import os, sys, time
+    from tpudiag.wake_line import start_child
+    waiter, line = start_child([sys.executable, "-c", sys.argv[1], "60"], stdout=sys.stdout)
     time.sleep(1.0)
     if sys.argv[2] == "poke":
         line.poke()
@@ -48,10 +46,13 @@ HOLDER = textwrap.dedent(
 )
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
 def _holder(mode: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     return subprocess.Popen(
-        [sys.executable, "-c", HOLDER, WAITER, mode], stdout=subprocess.PIPE, text=True, env=env,
+        [sys.executable, "-c", HOLDER, WAITER, mode], stdout=subprocess.PIPE, text=True, env=_env(),
         start_new_session=True,
     )  # fmt: skip
 
@@ -93,10 +94,9 @@ def test_a_fork_of_the_script_does_not_keep_the_line_open() -> None:
 
 
 def test_a_child_without_a_line_sleeps_its_timeout() -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     t = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-c", WAITER, "0.5"], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
+        [sys.executable, "-c", WAITER, "0.5"], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=_env(),
         check=True,
     ).stdout  # fmt: skip
     assert "ready False" in out
@@ -150,7 +150,7 @@ IDLE_CHILDREN = textwrap.dedent(
 def test_idle_children_sleep_on_their_line_instead_of_polling(tmp_path: Path) -> None:
     script = tmp_path / "idle_children.py"
     script.write_text(IDLE_CHILDREN)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = _env()
     env.pop("TPUDIAG_FLUSH_S", None)  # the feeder starts at the first flush (10 s) and loads 10 s after that
     out = subprocess.run(
         [sys.executable, "-m", "tpudiag", "capture", "--db", str(tmp_path / "t.duckdb"), "--collect", "trace",

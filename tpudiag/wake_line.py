@@ -10,9 +10,10 @@ The line is a pipe: the child's stdin is its read end, the capture keeps the wri
 
 - ``Line`` (the capture): ``poke()`` writes a byte (a new job, or "leave now": the child looks at its files at
   once), never blocks, never fails.  ``close()`` after the child has left.
-- ``ParentLine`` (the child): ``wait(timeout)`` returns at a poke, at the timeout, or at once when the capture is
-  gone: a process's pipe ends close with it, and the child reads end-of-file.  From then on (or where stdin is no
-  pipe: an older capture, ``/dev/null``) ``wait`` sleeps its timeout, the poll it replaces.
+- ``ParentLine`` (the child): ``wait(timeout, unlined)`` returns at a poke, at the timeout, or at once when the
+  capture is gone: a process's pipe ends close with it, and the child reads end-of-file.  From then on (or where
+  stdin is no pipe: an older capture, ``/dev/null``) ``wait`` sleeps ``unlined``, the poll it replaces.
+- ``start_child`` starts a child on a new line (the capture's read end closed once the child holds its copy).
 
 A script that forks (a ``DataLoader``'s workers) copies the write end into its children, where it would keep the
 line open after the capture died: those children close it (``os.register_at_fork``), and a child of ours still
@@ -25,8 +26,10 @@ import contextlib
 import os
 import select
 import stat
+import subprocess
 import time
 import weakref
+from typing import Any
 
 _open_lines: weakref.WeakSet[Line] = weakref.WeakSet()
 
@@ -60,6 +63,19 @@ class Line:
                 os.close(fd)
 
 
+def start_child(argv: list[str], **popen: Any) -> tuple[subprocess.Popen[bytes], Line]:
+    """``subprocess.Popen(argv, **popen)`` with a new line as the child's stdin; raises ``Popen``'s ``OSError``
+    (the line closed)."""
+    line = Line()
+    try:
+        proc: subprocess.Popen[bytes] = subprocess.Popen(argv, stdin=line.read_fd, **popen)
+    except OSError:
+        line.close()
+        raise
+    line.started()
+    return proc, line
+
+
 def _forked_child() -> None:
     for line in list(_open_lines):
         line.close()
@@ -78,10 +94,11 @@ class ParentLine:
         except OSError:
             self.open = False
 
-    def wait(self, timeout_s: float) -> None:
-        """Until a poke, ``timeout_s``, or (at once) the capture's end of the line closing."""
+    def wait(self, timeout_s: float, unlined_s: float) -> None:
+        """Until a poke, ``timeout_s``, or (at once) the capture's end of the line closing; ``unlined_s`` where
+        there is no line (any more)."""
         if not self.open:
-            time.sleep(timeout_s)
+            time.sleep(unlined_s)
             return
         try:
             ready, _, _ = select.select([self.fd], [], [], timeout_s)
@@ -89,4 +106,4 @@ class ParentLine:
                 self.open = False  # the capture is gone (or closed its end): the callers look at why
         except (OSError, ValueError):
             self.open = False
-            time.sleep(timeout_s)
+            time.sleep(unlined_s)

@@ -30,7 +30,7 @@ from typing import Any
 from tpudiag import no_pandas
 from tpudiag.atomic_file import atomic_file
 from tpudiag.processes import BACKGROUND_GROUP, lower_priority, make_background, pid_alive
-from tpudiag.wake_line import Line, ParentLine
+from tpudiag.wake_line import Line, ParentLine, start_child
 
 JOBS = "jobs"
 STOP = "STOP"
@@ -175,11 +175,10 @@ class Worker:
         if self.failed:
             return
         if self.line is not None:
-            self.line.close()
+            self.line.close()  # the last worker's
         try:
-            self.line = Line()
             with open(self.trace_dir / LOG, "ab") as log:
-                self.proc = subprocess.Popen(
+                self.proc, self.line = start_child(
                     [
                         sys.executable,
                         "-m",
@@ -189,18 +188,14 @@ class Worker:
                         str(self.trace_dir),
                         str(os.getpid()),
                     ],
-                    stdin=self.line.read_fd,  # its wake-up line (tpudiag.wake_line)
                     stdout=log,
                     stderr=log,
                     process_group=BACKGROUND_GROUP,  # no Ctrl-C; the script's scheduling group (tpudiag.processes)
                     cwd=self.trace_dir,  # not the user's folder: a module of theirs cannot shadow one tpudiag imports
                 )
             make_background(self.proc.pid)
-            self.line.started()
         except OSError as err:
             self.failed = str(err)
-            if self.line is not None:
-                self.line.close()
 
     def stop(self, wait_s: float) -> None:
         """Ask the worker to leave once its queue is empty; wait up to ``wait_s`` (what is left is run later)."""
@@ -301,7 +296,7 @@ def main(argv: list[str]) -> int:
         if not jobs:
             if os.path.exists(stop) or not pid_alive(parent):
                 return 0
-            line.wait(IDLE_CHECK_S if line.open else _FALLBACK_POLL_S)  # a poke: a job, or the STOP file
+            line.wait(IDLE_CHECK_S, _FALLBACK_POLL_S)  # a poke: a job, or the STOP file
 
 
 if __name__ == "__main__":

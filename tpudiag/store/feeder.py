@@ -35,7 +35,7 @@ from tpudiag.model import Run
 from tpudiag.processes import BACKGROUND_GROUP, lower_priority, make_background, pid_alive
 from tpudiag.store import live_loads
 from tpudiag.store.database import Store
-from tpudiag.wake_line import Line, ParentLine
+from tpudiag.wake_line import Line, ParentLine, start_child
 
 RUN_FILE = "feeder.json"
 STOP_FILE = "feeder.stop"
@@ -64,21 +64,17 @@ class SpoolFeeder:
         try:
             (self.run_dir / STOP_FILE).unlink(missing_ok=True)
             (self.run_dir / RUN_FILE).write_text(json.dumps(dataclasses.asdict(self.run)))
-            self.line = Line()
             with open(self.run_dir / LOG_FILE, "ab") as log:
-                self.proc = subprocess.Popen(
+                self.proc, self.line = start_child(
                     [
                         sys.executable, "-m", "tpudiag.store.feeder", str(self.db), str(self.run_dir),
                         str(self.spool_dir), str(os.getpid()), str(self.interval_s),
                     ],
-                    stdin=self.line.read_fd, stdout=log, stderr=log, process_group=BACKGROUND_GROUP,
+                    stdout=log, stderr=log, process_group=BACKGROUND_GROUP,
                 )  # fmt: skip
             make_background(self.proc.pid)
-            self.line.started()
         except OSError as err:
             self.failed = str(err)
-            if self.line is not None:
-                self.line.close()
             return False
         live_loads.start(Store(self.db).runs_dir, self.run.id)
         return True
@@ -143,10 +139,7 @@ def main(argv: list[str]) -> int:
             live_loads.mark_loaded(store.runs_dir, run.id)
             now = time.monotonic()
             next_load = now + unwatched_interval(interval, now - started)  # longer as the run gets older
-        if line.open:
-            line.wait(max(0.0, min(WANT_CHECK_S, next_load - time.monotonic())))  # a poke: the stop
-        else:
-            time.sleep(_FALLBACK_POLL_S)
+        line.wait(max(0.0, min(WANT_CHECK_S, next_load - time.monotonic())), _FALLBACK_POLL_S)  # a poke: the stop
     return 0
 
 
