@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tpudiag import internal_errors, runner
+from tpudiag import internal_errors, processes, runner
 from tpudiag.longrun import analyst, collection, control, heap, manual
 from tpudiag.plugins import CaptureContext
 
@@ -48,6 +48,16 @@ class LongRunMixin:
     def _stop_session(self, analyse: bool = True) -> None: ...
 
     # -- start ------------------------------------------------------------------------------------------------
+    def _prepare_long_run(self, ctx: CaptureContext) -> None:
+        """Before torch loads: the window analyst starts, and imports what a window's job needs while the capture
+        imports torch and the script starts (``processes.early_start``)."""
+        if str(ctx.options.get("trace") or "windows") == "all":
+            return
+        trace_dir = ctx.run_dir / "trace"
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        self._worker = analyst.Worker(ctx.run_id, ctx.run_dir, trace_dir)
+        self._worker.start()
+
     def _start_long_run(self, ctx: CaptureContext) -> None:
         from tpudiag.collectors.pulse import PulseRecorder
 
@@ -73,7 +83,8 @@ class LongRunMixin:
         self._plan.open.start_ns = time.time_ns()
         self._pulse.window_id = 0
         self._poller = manual.Poller(manual.trigger_folders(ctx.run_dir), time.monotonic())
-        self._worker = analyst.Worker(ctx.run_id, ctx.run_dir, ctx.run_dir / "trace")
+        if self._worker is None:  # (``_prepare_long_run`` started it, unless that failed)
+            self._worker = analyst.Worker(ctx.run_id, ctx.run_dir, ctx.run_dir / "trace")
         pulse = self._pulse
         pulse.plan, pulse.poller, pulse.after = self._plan, self._poller, self._plan_step
         self._settler = collection.Settler()
@@ -110,6 +121,8 @@ class LongRunMixin:
         """At the first root forward after a step: close and open windows as planned."""
         plan, pulse = self._plan, self._pulse
         t0 = time.perf_counter_ns()
+        if processes.early_pending():  # the first step boundary: no step runs beside a child at its priority
+            processes.end_early_start()
         closing = None
         if plan.close_next:
             closing = plan.open.window_id if plan.open is not None else None

@@ -97,10 +97,12 @@ class TraceCollector(LongRunMixin):
         return importlib.util.find_spec("torch") is not None
 
     def prepare(self, ctx: CaptureContext) -> None:
-        """Before torch loads: keep libtpu from searching for a metadata server that is not there."""
+        """Before torch loads: keep libtpu from searching for a metadata server that is not there; the window
+        analyst starts (``_prepare_long_run``)."""
         from tpudiag.collectors import tpu_profiler
 
         tpu_profiler.prepare_environment()
+        self._prepare_long_run(ctx)
 
     def start(self, ctx: CaptureContext) -> None:
         import torch

@@ -151,7 +151,7 @@ def test_idle_children_sleep_on_their_line_instead_of_polling(tmp_path: Path) ->
     script = tmp_path / "idle_children.py"
     script.write_text(IDLE_CHILDREN)
     env = _env()
-    env.pop("TPUDIAG_FLUSH_S", None)  # the feeder starts at the first flush (10 s) and loads 10 s after that
+    env.pop("TPUDIAG_FLUSH_S", None)  # the feeder loads at the first flush (10 s) and 10 s after that
     out = subprocess.run(
         [sys.executable, "-m", "tpudiag", "capture", "--db", str(tmp_path / "t.duckdb"), "--collect", "trace",
          str(script)], capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path,

@@ -1,9 +1,13 @@
 """Whether another process still runs (no torch, no store: the store, the analysis and feeder children and the
-uploader all ask), and the background children's priority (``lower_priority``)."""
+uploader all ask), and the background children's priority (``lower_priority``, ``early_start``)."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import subprocess
 
 
 def pid_alive(pid: int) -> bool:
@@ -62,6 +66,41 @@ def make_background(pid: int, idle: bool = True) -> None:
     nicer_group(pid)
     if idle:
         _idle(pid)
+
+
+# Background children started before the script's code at the script's own priority (``early_start``), until the
+# script's first step puts them in the idle class (``end_early_start``).
+_early: list[subprocess.Popen[bytes]] = []
+
+
+def early_start(proc: subprocess.Popen[bytes]) -> None:
+    """From the parent, at once after starting a background child before the script's code runs: the child keeps
+    the script's priority while it imports what it needs (and lowers itself after: ``lower_priority``), and the
+    script's first step lowers it if it has not (``end_early_start``).
+
+    Why (issue 21): in the idle class from its first instruction, a child on a core the script keeps busy gets
+    ~0.3% of it, and the ~0.5 s of CPU its imports take (Python, pyarrow, DuckDB) then ran in ~4 ms slices for
+    minutes, each slice costing the loop its caches after it: the long-run bench loop ran ~1.5% slower for as long
+    as the two children worked through their start.  Started with the capture, they import while the script does
+    (its own imports, its model, its data), where a core is shared anyway and no step is timed.  At the script's
+    priority they must never run beside its steps: a child importing at normal priority stalled a loop whose ops
+    run on OpenMP threads (2 threads on 2 cores: worst step 163-220 ms against 36 ms), hence the first step's
+    demotion.  Where the group is a session's own it still goes to nice 19 (``nicer_group``)."""
+    nicer_group(proc.pid)
+    _early.append(proc)
+
+
+def end_early_start() -> None:
+    """The script's first step: every child still at the script's priority (``early_start``) goes to the idle
+    class (a syscall per child, once)."""
+    while _early:
+        proc = _early.pop()
+        if proc.poll() is None:  # not gone (and not reaped: its pid is still its own)
+            _idle(proc.pid)
+
+
+def early_pending() -> bool:
+    return bool(_early)
 
 
 def _idle(pid: int) -> bool:

@@ -146,11 +146,12 @@ class CaptureSession:
         self.ctx.note(text)
 
     def start(self, flusher: bool = True) -> None:
-        """Errors file, collectors prepared and started (failures are notes), ``sink.begin``, the flusher."""
+        """Errors file, ``sink.begin``, collectors prepared and started (failures are notes), the flusher.  The sink
+        begins first: a store's feeder child then imports while the collectors import torch."""
         self._errors = internal_errors.begin(self.run_dir)
         forks.begin()
-        self.active = start_collectors(self.collectors, self.ctx)
         self.sink.begin(self.run)
+        self.active = start_collectors(self.collectors, self.ctx)
         if flusher:
             self._flusher = _Flusher(lambda: [*self.active, *self.parts], self.sink, self._flush_s)
             self._flusher.start()

@@ -52,16 +52,17 @@ class StoreNow:
         if self._register_at == "begin":
             self.store.put_run(run)
             self._registered = True
+        if self._feed_s is not None and run.artifacts_dir is not None:
+            # Started now, it imports while the script starts; it touches the store from the first flush on.
+            run_dir = Path(run.artifacts_dir)
+            self._feeder = SpoolFeeder(self.store.path.resolve(), run, run_dir, self.spool_dir, self._feed_s)
+            self._feeder.start_early()
 
     def flush(self) -> None:
         if self._run is None or self.registration_error is not None:
             return
-        if self._feed_s is not None and self._run.artifacts_dir is not None:
-            if self._feeder is None:
-                run_dir = Path(self._run.artifacts_dir)
-                self._feeder = SpoolFeeder(self.store.path.resolve(), self._run, run_dir, self.spool_dir, self._feed_s)
-            if self._feeder.start():
-                return
+        if self._feeder is not None and self._feeder.start():
+            return
         if not self._registered:
             try:
                 self.store.put_run(self._run, replace=False)  # late (a slow lock): never over the final record

@@ -94,16 +94,19 @@ class ParentLine:
         except OSError:
             self.open = False
 
-    def wait(self, timeout_s: float, unlined_s: float) -> None:
+    def wait(self, timeout_s: float, unlined_s: float) -> bool:
         """Until a poke, ``timeout_s``, or (at once) the capture's end of the line closing; ``unlined_s`` where
-        there is no line (any more)."""
+        there is no line (any more).  True when it was poked."""
         if not self.open:
             time.sleep(unlined_s)
-            return
+            return False
         try:
             ready, _, _ = select.select([self.fd], [], [], timeout_s)
-            if ready and not os.read(self.fd, 4096):
+            if ready:
+                if os.read(self.fd, 4096):
+                    return True
                 self.open = False  # the capture is gone (or closed its end): the callers look at why
         except (OSError, ValueError):
             self.open = False
             time.sleep(unlined_s)
+        return False

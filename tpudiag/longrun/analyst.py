@@ -3,7 +3,8 @@
 The trace collector stops a window's profiler session at a step boundary, exports its Chrome trace to
 ``trace/kineto-NNN.json`` and leaves a job file ``trace/jobs/window-NNN.json``. A worker process of its own
 (``python -m tpudiag.longrun.analyst``, in the idle scheduling class, else ``nice`` 10:
-``processes.lower_priority``; started at the first job) analyses each job into spool parts named after the window
+``processes.lower_priority``; started with the capture, importing at the script's priority until the script's
+first step: ``processes.early_start``) analyses each job into spool parts named after the window
 (trace_events, steps, and the window's own row), then removes the job. Parts named after the window make the work
 idempotent: whatever runs a job a second time (the capture's deferred ``finish`` after the worker died, or both at
 once) rewrites the same parts instead of adding copies. The worker leaves when the job folder holds a ``STOP`` file
@@ -29,7 +30,7 @@ from typing import Any
 
 from tpudiag import no_pandas
 from tpudiag.atomic_file import atomic_file
-from tpudiag.processes import BACKGROUND_GROUP, lower_priority, make_background, pid_alive
+from tpudiag.processes import BACKGROUND_GROUP, early_start, lower_priority, make_background, pid_alive
 from tpudiag.wake_line import Line, ParentLine, start_child
 
 JOBS = "jobs"
@@ -158,20 +159,30 @@ def tidy(trace_dir: Path) -> None:
 
 
 class Worker:
-    """The analysis process of one capture, started at the first job."""
+    """The analysis process of one capture: started with the capture (``start``), else at the first job."""
 
     def __init__(self, run_id: str, run_dir: Path, trace_dir: Path) -> None:
         self.run_id, self.run_dir, self.trace_dir = run_id, run_dir, trace_dir
         self.proc: subprocess.Popen[bytes] | None = None
         self.line: Line | None = None
         self.failed: str | None = None
+        self.kicked = False  # a job was handed to it
+
+    def start(self) -> None:
+        """Start the worker with the capture, before the script's code: it imports what a job needs at the
+        script's priority while the script starts, then waits in the idle class (``processes.early_start``)."""
+        self._spawn(early=True)
 
     def kick(self) -> None:
-        """A job is waiting: start the worker, or wake it."""
+        """A job is waiting: wake the worker, or start it."""
+        self.kicked = True
         if self.proc is not None and self.proc.poll() is None:
             if self.line is not None:
                 self.line.poke()
             return
+        self._spawn(early=False)
+
+    def _spawn(self, early: bool) -> None:
         if self.failed:
             return
         if self.line is not None:
@@ -187,13 +198,17 @@ class Worker:
                         self.run_id,
                         str(self.trace_dir),
                         str(os.getpid()),
+                        *(["early"] if early else []),
                     ],
                     stdout=log,
                     stderr=log,
                     process_group=BACKGROUND_GROUP,  # no Ctrl-C; the script's scheduling group (tpudiag.processes)
                     cwd=self.trace_dir,  # not the user's folder: a module of theirs cannot shadow one tpudiag imports
                 )
-            make_background(self.proc.pid)
+            if early:
+                early_start(self.proc)
+            else:
+                make_background(self.proc.pid)
         except OSError as err:
             self.failed = str(err)
 
@@ -204,7 +219,11 @@ class Worker:
             (self.trace_dir / JOBS / STOP).touch()
         if self.proc is None:
             return
-        if self.line is not None:
+        if not self.kicked:
+            # Started early and never handed a job (a script that ended inside its first window): nothing of its
+            # own in progress, and the job the caller left is the caller's (or the deferred finish's) to run.
+            wait_s = 0.0
+        elif self.line is not None:
             self.line.poke()
         try:
             self.proc.wait(timeout=wait_s)
@@ -275,18 +294,34 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def _import_for_jobs() -> None:
+    """What ``run_job`` imports (~0.4 s of CPU), before the worker lowers itself (``processes.early_start``)."""
+    import pyarrow.parquet  # noqa: F401  (the spool's parts)
+
+    import tpudiag.model
+    import tpudiag.plugins
+    import tpudiag.traces.kineto
+    import tpudiag.traces.kineto_tables  # noqa: F401
+
+    _hook(WINDOW_HOOK)
+
+
 def main(argv: list[str]) -> int:
-    """The worker: ``python -m tpudiag.longrun.analyst RUN_DIR RUN_ID TRACE_DIR PARENT_PID``."""
+    """The worker: ``python -m tpudiag.longrun.analyst RUN_DIR RUN_ID TRACE_DIR PARENT_PID [early]``."""
     from tpudiag.spool import Spool
 
-    lower_priority(NICE)  # the idle class where there is one (tpudiag.processes)
     no_pandas.skip()  # (pyarrow's first array would import it: ~0.5 s of CPU and ~45 MB of RSS for nothing)
+    _import_for_jobs()  # at the script's priority where the capture started this worker early ...
+    lower_priority(NICE)  # ... then the idle class where there is one (tpudiag.processes)
     run_dir, run_id, trace_dir, parent = Path(argv[0]), argv[1], Path(argv[2]), int(argv[3])
     spool = Spool(run_dir / "spool")
     stop = os.fspath(trace_dir / JOBS / STOP)  # (looked for as a plain string: see ``pending_jobs``)
     line = ParentLine()
+    # Started early (``Worker.start``), it takes no job before the capture hands it one (``kick``: a poke): the job
+    # of a script that ended inside its first window is the capture's, or its deferred finish's.
+    awake = argv[4:5] != ["early"] or not line.open
     while True:
-        jobs = pending_jobs(trace_dir)
+        jobs = pending_jobs(trace_dir) if awake else []
         for job in jobs:
             try:
                 run_job(run_id, spool, job, WINDOW_HOOK)
@@ -296,7 +331,8 @@ def main(argv: list[str]) -> int:
         if not jobs:
             if os.path.exists(stop) or not pid_alive(parent):
                 return 0
-            line.wait(IDLE_CHECK_S, _FALLBACK_POLL_S)  # a poke: a job, or the STOP file
+            if line.wait(IDLE_CHECK_S, _FALLBACK_POLL_S):  # a poke: a job, or the STOP file
+                awake = True
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ did, put DuckDB and its buffers into that process: +160 MB of RSS from the first
 337 -> 465 MB with nothing but the compile collector), and the load's CPU on a thread beside the training loop every
 10 s.  The feeder does it instead, in the idle class (``tpudiag.processes``), without torch:
 
-- the parent writes the run's first record to ``<run dir>/feeder.json`` and starts the child at the first flush;
+- the parent starts the child with the capture, before the script's code: it imports DuckDB and pyarrow at the
+  script's priority while the script starts, and lowers itself (``processes.early_start``); at the first flush the
+  parent writes the run's first record to ``<run dir>/feeder.json`` (or starts the child then, if it had not);
 - at once, then on a clock that slows as the run gets older (``cadence.unwatched_interval``), and whenever a reader
   of the store asks (``store/live_loads.py``), the child registers the run (never over a record already there) and
   loads the parts that are finished (``Store.ingest_spool``: each part at most once, deleted after the commit);
@@ -29,10 +31,11 @@ import sys
 import time
 from pathlib import Path
 
+from tpudiag.atomic_file import atomic_file
 from tpudiag.cadence import unwatched_interval
 from tpudiag.errors import TpudiagError
 from tpudiag.model import Run
-from tpudiag.processes import BACKGROUND_GROUP, lower_priority, make_background, pid_alive
+from tpudiag.processes import BACKGROUND_GROUP, early_start, lower_priority, make_background, pid_alive
 from tpudiag.store import live_loads
 from tpudiag.store.database import Store
 from tpudiag.wake_line import Line, ParentLine, start_child
@@ -54,16 +57,40 @@ class SpoolFeeder:
         self.proc: subprocess.Popen[bytes] | None = None
         self.line: Line | None = None
         self.failed: str | None = None
+        self.started = False  # ``start`` (the first flush) came: the child may load
+
+    def start_early(self) -> None:
+        """Start the child with the capture, before the script's code: it imports DuckDB and pyarrow at the
+        script's priority while the script starts (``processes.early_start``), then waits in the idle class for
+        ``start`` (the first flush) before it touches the store."""
+        if self.proc is None and self.failed is None:
+            self._spawn(early=True)
 
     def start(self) -> bool:
-        """Start the child once; False when it could not start (the caller loads the spool itself)."""
-        if self.proc is not None:
-            return self.proc.poll() is None
+        """The first flush: the child (started now, or early) registers the run and loads the spool from now on;
+        False when it could not start (the caller loads the spool itself)."""
+        if self.started:
+            return self.proc is not None and self.proc.poll() is None
         if self.failed is not None:
             return False
         try:
+            with atomic_file(self.run_dir / RUN_FILE, "w") as fh:  # the child waits for it whole
+                fh.write(json.dumps(dataclasses.asdict(self.run)))
+        except OSError as err:
+            self.failed = str(err)
+            return False
+        self.started = True
+        if self.proc is not None and self.proc.poll() is None:
+            if self.line is not None:
+                self.line.poke()
+        elif not self._spawn(early=False):
+            return False
+        live_loads.start(Store(self.db).runs_dir, self.run.id)
+        return True
+
+    def _spawn(self, early: bool) -> bool:
+        try:
             (self.run_dir / STOP_FILE).unlink(missing_ok=True)
-            (self.run_dir / RUN_FILE).write_text(json.dumps(dataclasses.asdict(self.run)))
             with open(self.run_dir / LOG_FILE, "ab") as log:
                 self.proc, self.line = start_child(
                     [
@@ -72,11 +99,13 @@ class SpoolFeeder:
                     ],
                     stdout=log, stderr=log, process_group=BACKGROUND_GROUP,
                 )  # fmt: skip
-            make_background(self.proc.pid)
+            if early:
+                early_start(self.proc)
+            else:
+                make_background(self.proc.pid)
         except OSError as err:
             self.failed = str(err)
             return False
-        live_loads.start(Store(self.db).runs_dir, self.run.id)
         return True
 
     def stop(self, wait_s: float = 60.0) -> None:
@@ -86,7 +115,9 @@ class SpoolFeeder:
             return
         with contextlib.suppress(OSError):
             (self.run_dir / STOP_FILE).touch()
-        if self.line is not None:
+        if not self.started:
+            wait_s = 0.0  # started early, never asked to load (no flush came): nothing to finish
+        elif self.line is not None:
             self.line.poke()
         try:
             proc.wait(timeout=wait_s)
@@ -98,7 +129,8 @@ class SpoolFeeder:
         for name in (STOP_FILE, RUN_FILE):
             with contextlib.suppress(OSError):
                 (self.run_dir / name).unlink()
-        live_loads.stop(Store(self.db).runs_dir, self.run.id)
+        if self.started:
+            live_loads.stop(Store(self.db).runs_dir, self.run.id)
 
 
 def _parent_alive(pid: int) -> bool:
@@ -117,17 +149,40 @@ def _load_once(store: Store, run: Run, spool_dir: Path, registered: bool) -> boo
     return registered
 
 
+def _import_for_loads() -> None:
+    """What a load imports (~0.3 s of CPU), before the feeder lowers itself (``processes.early_start``)."""
+    import duckdb  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
+
+    import tpudiag.store.bulk_insert  # noqa: F401
+
+
+def _wait_for_run(run_dir: Path, parent: int, line: ParentLine) -> Run | None:
+    """Started early: the run's record once the first flush writes it; None when the capture stops (or dies)
+    first."""
+    record, stop = run_dir / RUN_FILE, os.fspath(run_dir / STOP_FILE)
+    while not os.path.exists(stop) and _parent_alive(parent):
+        try:
+            return Run.from_record(json.loads(record.read_text()))
+        except FileNotFoundError:
+            line.wait(WANT_CHECK_S, _FALLBACK_POLL_S)  # a poke: the record, or the stop
+    return None
+
+
 def main(argv: list[str]) -> int:
     db, run_dir, spool_dir, parent, interval = Path(argv[0]), Path(argv[1]), Path(argv[2]), int(argv[3]), float(argv[4])
-    lower_priority(NICE)  # the idle class where there is one (tpudiag.processes)
-    run = Run.from_record(json.loads((run_dir / RUN_FILE).read_text()))
+    _import_for_loads()  # at the script's priority where the capture started this child early ...
+    lower_priority(NICE)  # ... then the idle class where there is one (tpudiag.processes)
+    line = ParentLine()
+    run = _wait_for_run(run_dir, parent, line)
+    if run is None:
+        return 0
     store = Store(db)
     registered = False
     started = next_load = time.monotonic()
     # A look a second for a whole run, on a core the script may need: plain strings and syscalls (a look with
     # pathlib's objects cost ~30 us of CPU, ~6x this).
     stop, want, exists = os.fspath(run_dir / STOP_FILE), live_loads.want_path(store.runs_dir, run.id), os.path.exists
-    line = ParentLine()
     while not exists(stop):
         if not _parent_alive(parent):
             # The capture died (killed?): what its collectors had flushed is loaded once more, nobody else will.
