@@ -80,8 +80,10 @@ def early_start(proc: subprocess.Popen[bytes]) -> None:
 
     Why (issue 21): in the idle class from its first instruction, a child on a core the script keeps busy gets
     ~0.3% of it, and the ~0.5 s of CPU its imports take (Python, pyarrow, DuckDB) then ran in ~4 ms slices for
-    minutes, each slice costing the loop its caches after it: the long-run bench loop ran ~1.5% slower for as long
-    as the two children worked through their start.  Started with the capture, they import while the script does
+    3-4 minutes of the long-run bench loop, each slice costing the loop its caches after it (session 41, one
+    process with the children stopped and resumed in turns: 1.5% of the steps while they ran, for 0.6% of the
+    core; side by side with a plain run the effect stays within the bench's spread).  Started with the capture,
+    they import while the script does
     (its own imports, its model, its data), where a core is shared anyway and no step is timed.  At the script's
     priority they must never run beside its steps: a child importing at normal priority stalled a loop whose ops
     run on OpenMP threads (2 threads on 2 cores: worst step 163-220 ms against 36 ms), hence the first step's
