@@ -47,24 +47,15 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
     from tpudiag import processes
-
-    def children():
-        found, argvs = {}, {}
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as fh:
-                for pid in fh.read().split():
-                    with open(f"/proc/{pid}/cmdline") as cmd:
-                        argv = cmd.read().split("\\0")
-                    for name in ("analyst", "feeder"):
-                        if any(a.endswith("." + name) for a in argv):
-                            found[name], argvs[name] = int(pid), argv
-        return found, argvs
+    from tests.capture_children import children
 
     def loaded(pid, lib):
         with open(f"/proc/{pid}/maps") as fh:
             return lib in fh.read()
 
-    kids, argvs = children()
+    found = children()
+    kids = {name: pid for name, (pid, _) in found.items()}
+    argvs = {name: argv for name, (_, argv) in found.items()}
     libs = {"analyst": "libarrow", "feeder": "duckdb"}
     t0, ready = time.monotonic(), {}
     while len(ready) < len(kids) and time.monotonic() < t0 + 60:

@@ -109,18 +109,7 @@ IDLE_CHILDREN = textwrap.dedent(
     """
     import json, os, time
     import torch
-
-    def children():
-        found = {}
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as fh:
-                for pid in fh.read().split():
-                    with open(f"/proc/{pid}/cmdline") as cmd:
-                        argv = cmd.read().split("\\0")
-                    for name in ("analyst", "feeder"):
-                        if any(a.endswith("." + name) for a in argv):
-                            found[name] = int(pid)
-        return found
+    from tests.capture_children import children
 
     def wakes(pid):
         with open(f"/proc/{pid}/status") as fh:
@@ -138,7 +127,7 @@ IDLE_CHILDREN = textwrap.dedent(
     deadline = time.monotonic() + 60
     while len(children()) < 2 and time.monotonic() < deadline:
         steps(0.5)
-    kids = children()
+    kids = {name: pid for name, (pid, _) in children().items()}
     steps(3.0)  # their start and first work: the first window's analysis, the feeder's first load
     before = {name: wakes(pid) for name, pid in kids.items()}
     steps(4.0)
