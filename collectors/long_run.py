@@ -121,8 +121,7 @@ class LongRunMixin:
         """At the first root forward after a step: close and open windows as planned."""
         plan, pulse = self._plan, self._pulse
         t0 = time.perf_counter_ns()
-        if processes.early_pending():  # the first step boundary: no step runs beside a child at its priority
-            processes.end_early_start()
+        processes.end_early_start()  # (the first step boundary: no step runs beside a child at its priority)
         closing = None
         if plan.close_next:
             closing = plan.open.window_id if plan.open is not None else None
